@@ -1,0 +1,175 @@
+"""The table registry: one validated `TableSpec` per mirrored source table, loaded from YAML.
+
+Adding a table is one entry in `tables.yaml` (or the file named by `CDC_TABLES_FILE` when the
+Definitions are built); no code changes. Every entry is validated when the file is loaded and
+each problem is reported with the table's name, the setting and how to fix it.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
+
+# Spark SQL types a source column may be declared as. Debezium encodings are handled by decode:
+# timestamps arrive as epoch millis/micros/nanos or ISO strings, dates as epoch days or ISO.
+_SIMPLE_TYPES = {"string", "boolean", "int", "bigint", "double", "float", "timestamp", "date"}
+_DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
+
+
+class TableConfigError(ValueError):
+    """The tables file is invalid; the message lists every problem, one per line."""
+
+
+class SequenceField(BaseModel):
+    """One component of a table's ordering key, read from the Debezium envelope."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    field: str = Field(description="Dotted path inside the envelope, e.g. 'source.lsn'.")
+    type: Literal["bigint", "string"] = "bigint"
+
+    @field_validator("field")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not all(_IDENT.match(part) for part in value.split(".")):
+            raise ValueError(f"'{value}' is not a dotted path of identifiers (e.g. 'source.lsn')")
+        return value
+
+    @property
+    def struct_name(self) -> str:
+        return self.field.replace(".", "_")
+
+
+class TableSpec(BaseModel):
+    """How one Kafka topic of Debezium change events becomes one Delta mirror table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Asset and Delta table name.")
+    topic: str
+    primary_key: tuple[str, ...]
+    columns: dict[str, str] = Field(
+        description="Source columns and their Spark SQL types, in table order."
+    )
+    sequence: tuple[SequenceField, ...] = (SequenceField(field="source.lsn"),)
+    delete_mode: Literal["soft", "hard"] = Field(
+        default="soft",
+        description=(
+            "soft keeps a deleted row as a tombstone (_cdc_deleted = true) so an older change "
+            "replayed later cannot resurrect it; hard removes the row (convergence then relies "
+            "on hours being run in order)."
+        ),
+    )
+    start_hour: str = Field(description="First hourly partition, 'YYYY-MM-DD-HH:00' in UTC.")
+    allowed_lateness_minutes: int = Field(default=15, ge=0)
+    accept_data_loss: bool = Field(
+        default=False,
+        description="Run hours whose offsets retention already deleted, reporting the loss.",
+    )
+    group: str = "cdc_mirrors"
+    description: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _IDENT.match(value):
+            raise ValueError(f"'{value}' must be an identifier (letters, digits, underscores)")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, value: dict[str, str]) -> dict[str, str]:
+        if not value:
+            raise ValueError("at least one column is required")
+        problems = []
+        for column, spark_type in value.items():
+            if not _IDENT.match(column) or column.startswith("_cdc_"):
+                problems.append(f"column '{column}' must be an identifier not starting with _cdc_")
+            if spark_type not in _SIMPLE_TYPES and not _DECIMAL.match(spark_type):
+                problems.append(
+                    f"column '{column}' has type '{spark_type}'; use one of "
+                    f"{sorted(_SIMPLE_TYPES)} or decimal(p,s)"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("start_hour")
+    @classmethod
+    def _start_hour(cls, value: str) -> str:
+        try:
+            parsed = datetime.strptime(value, _HOUR_FORMAT)
+        except ValueError:
+            raise ValueError(f"'{value}' is not an hour like '2026-11-20-00:00' (UTC)") from None
+        if parsed.minute:
+            raise ValueError(f"'{value}' must be on the hour")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_are_columns(self) -> TableSpec:
+        if not self.primary_key:
+            raise ValueError("primary_key needs at least one column")
+        missing = [key for key in self.primary_key if key not in self.columns]
+        if missing:
+            raise ValueError(f"primary_key columns {missing} are not listed under columns")
+        return self
+
+    @property
+    def start_datetime(self) -> datetime:
+        return datetime.strptime(self.start_hour, _HOUR_FORMAT).replace(tzinfo=UTC)
+
+    @property
+    def error_table_name(self) -> str:
+        return f"{self.name}__errors"
+
+
+def parse_tables(raw: dict, *, source: str = "tables config") -> list[TableSpec]:
+    """Validates every entry and raises one `TableConfigError` listing all problems."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("tables"), list):
+        raise TableConfigError(f"{source}: expected a top-level 'tables:' list of table entries")
+    specs: list[TableSpec] = []
+    problems: list[str] = []
+    for index, entry in enumerate(raw["tables"]):
+        label = entry.get("name", f"#{index + 1}") if isinstance(entry, dict) else f"#{index + 1}"
+        try:
+            specs.append(TableSpec.model_validate(entry))
+        except ValidationError as exc:
+            for err in exc.errors():
+                setting = ".".join(str(part) for part in err["loc"]) or "(entry)"
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{source}: table '{label}', setting '{setting}': {message}")
+    for kind, attr in (("name", "name"), ("topic", "topic")):
+        seen: dict[str, int] = {}
+        for spec in specs:
+            seen[getattr(spec, attr)] = seen.get(getattr(spec, attr), 0) + 1
+        problems += [
+            f"{source}: {kind} '{value}' is used by {count} tables; each must be unique"
+            for value, count in seen.items()
+            if count > 1
+        ]
+    if problems:
+        raise TableConfigError("\n".join(problems))
+    return specs
+
+
+def load_tables(path: str | Path = DEFAULT_TABLES_FILE) -> list[TableSpec]:
+    """Loads and validates the tables file at `path`."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TableConfigError(
+            f"tables file {path} does not exist; set CDC_TABLES_FILE to the tables YAML"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise TableConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_tables(raw, source=str(path))
