@@ -1,0 +1,34 @@
+"""The one Definitions object: a mirror asset per configured table, and the resources."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
+from cdc_assets.factory import build_table_asset
+from resources.kafka import KafkaResource
+from resources.lake import LakeResource
+from resources.spark import SparkResource
+
+TABLES_FILE_ENV = "CDC_TABLES_FILE"
+
+
+def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[build_table_asset(spec=spec) for spec in specs],
+        resources={
+            "kafka": KafkaResource(
+                bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS"),
+            ),
+            "spark": SparkResource(),
+            "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT")),
+        },
+    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    # Read when Dagster loads the code location, never at import time.
+    return build_definitions(load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)))

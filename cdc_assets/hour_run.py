@@ -1,0 +1,201 @@
+"""One partition run: slice → read → decode → newest per key → errors → MERGE → counts.
+
+Kept free of Dagster so that the same function serves the asset, tests and benchmarks; the
+asset turns its `HourResult` into materialization metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from pyspark import StorageLevel
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.config import TableSpec
+from cdc_assets.decode import ERROR, SOURCE_TS, TOMBSTONE, decode
+from cdc_assets.merge import (
+    commit_metadata,
+    hour_history,
+    latest_per_key,
+    merge_changes,
+    write_errors,
+)
+from cdc_assets.read import read_slice
+from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
+from resources.kafka import KafkaResource
+from resources.lake import LakeResource
+
+HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
+
+
+@dataclass(frozen=True)
+class HourCounts:
+    """I2: consumed = applied + superseded + stale + tombstones + errors."""
+
+    consumed: int
+    applied: int
+    superseded: int
+    stale: int
+    tombstones: int
+    errors: int
+
+    @property
+    def balanced(self) -> bool:
+        accounted = self.applied + self.superseded + self.stale + self.tombstones + self.errors
+        return self.consumed == accounted
+
+
+@dataclass(frozen=True)
+class HourResult:
+    table: str
+    hour_key: str
+    slice: HourSlice
+    counts: HourCounts
+    rows_inserted: int
+    rows_updated: int
+    rows_deleted: int
+    delta_version: int | None
+    partial: bool
+    newest_source_ts: datetime | None
+    finished_at: datetime
+    error_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.newest_source_ts is None:
+            return None
+        return (self.finished_at - self.newest_source_ts).total_seconds()
+
+
+def hour_start(hour_key: str) -> datetime:
+    return datetime.strptime(hour_key, HOUR_KEY_FORMAT).replace(tzinfo=UTC)
+
+
+def known_starts(history: list[dict], hour_key: str) -> dict[int, int]:
+    """Where the hour is known to begin: its own last run's start, else the last hour's end."""
+    previous_key = (hour_start(hour_key) - timedelta(hours=1)).strftime(HOUR_KEY_FORMAT)
+    for wanted, edge in ((hour_key, "start"), (previous_key, "end")):
+        for commit in history:  # newest first
+            if commit.get("hour") == wanted:
+                parts = commit["slice"]["partitions"]
+                return {int(p): offsets[edge] for p, offsets in parts.items()}
+    return {}
+
+
+def run_hour(
+    *,
+    spark: SparkSession,
+    kafka: KafkaResource,
+    lake: LakeResource,
+    spec: TableSpec,
+    hour_key: str,
+    now: datetime | None = None,
+    force_open_hour: bool = False,
+) -> HourResult:
+    """Materializes one hour of `spec` into its Delta mirror and returns what happened."""
+    now = now or datetime.now(UTC)
+    path = lake.table_path(spec.name)
+    history = hour_history(spark, path)
+    consumer = kafka.consumer()
+    try:
+        hour_slice = compute_slice(
+            consumer,
+            table=spec.name,
+            topic=spec.topic,
+            hour_start=hour_start(hour_key),
+            now=now,
+            allowed_lateness=timedelta(minutes=spec.allowed_lateness_minutes),
+            known_starts=known_starts(history, hour_key),
+        )
+    finally:
+        consumer.close()
+
+    if not hour_slice.closed and not force_open_hour:
+        raise OpenHourError(
+            f"table '{spec.name}': hour {hour_key} is still open: {hour_slice.open_reason}. "
+            "It runs once it closes. To read what has arrived so far, run it with the config "
+            "force_open_hour: true; the result is marked partial and a later run completes it."
+        )
+    if hour_slice.lost and not spec.accept_data_loss:
+        lost = "; ".join(r.describe() for r in hour_slice.lost)
+        raise DataLossError(
+            f"table '{spec.name}', topic '{spec.topic}', hour {hour_key}: Kafka no longer holds "
+            f"offsets this hour needs, retention deleted them: {lost}. The mirror would miss "
+            "those changes. Re-snapshot the table from the source, or set accept_data_loss: true "
+            "for this table to materialize what is left and report the loss."
+        )
+
+    ingested_at = datetime.now(UTC)
+    records = read_slice(spark, kafka.spark_options(), hour_slice)
+    decoded = decode(records, spec, hour_key=hour_key).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        good = decoded.where(F.col(ERROR).isNull() & ~F.col(TOMBSTONE))
+        totals = decoded.agg(
+            F.count("*").alias("consumed"),
+            F.count_if(F.col(TOMBSTONE)).alias("tombstones"),
+            F.count_if(F.col(ERROR).isNotNull()).alias("errors"),
+            F.unix_millis(F.max(F.when(F.col(ERROR).isNull(), F.col(SOURCE_TS)))).alias("newest"),
+        ).first()
+        reasons = {}
+        if totals["errors"]:
+            reasons = {
+                row[ERROR]: row["n"]
+                for row in decoded.where(F.col(ERROR).isNotNull())
+                .groupBy(ERROR)
+                .agg(F.count("*").alias("n"))
+                .collect()
+            }
+            write_errors(
+                spark,
+                lake.table_path(spec.error_table_name),
+                decoded.where(F.col(ERROR).isNotNull()),
+                hour_key=hour_key,
+                ingested_at=ingested_at,
+            )
+        latest = latest_per_key(good, spec).persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            n_good = totals["consumed"] - totals["tombstones"] - totals["errors"]
+            n_latest = latest.count()
+            commit = {
+                "hour": hour_key,
+                "slice": hour_slice.as_dict(),
+                "partial": not hour_slice.closed,
+                "consumed": totals["consumed"],
+                "tombstones": totals["tombstones"],
+                "errors": totals["errors"],
+                "superseded": n_good - n_latest,
+                "pipeline": "cdc-lake",
+            }
+            with commit_metadata(spark, commit):
+                outcome = merge_changes(spark, spec, path, latest, ingested_at=ingested_at)
+        finally:
+            latest.unpersist()
+    finally:
+        decoded.unpersist()
+
+    newest = totals["newest"]
+    return HourResult(
+        table=spec.name,
+        hour_key=hour_key,
+        slice=hour_slice,
+        counts=HourCounts(
+            consumed=totals["consumed"],
+            applied=outcome.applied,
+            superseded=n_good - n_latest,
+            stale=n_latest - outcome.applied,
+            tombstones=totals["tombstones"],
+            errors=totals["errors"],
+        ),
+        rows_inserted=outcome.rows_inserted,
+        rows_updated=outcome.rows_updated,
+        rows_deleted=outcome.rows_deleted,
+        delta_version=outcome.version,
+        partial=not hour_slice.closed,
+        newest_source_ts=datetime.fromtimestamp(newest / 1000, UTC) if newest else None,
+        finished_at=datetime.now(UTC),
+        error_reasons=reasons,
+    )
+
+

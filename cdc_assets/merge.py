@@ -1,0 +1,230 @@
+"""Newest change per key → one guarded Delta MERGE; bad records → the table's error table.
+
+Convergence (I3): a change is applied only when its sequence is greater than the row's, so
+running hours in any order, any number of times, ends in the same table. A delete keeps the key
+and its sequence as a soft-deleted row (`_cdc_deleted = true`, the row's last values kept), so an
+older change replayed later is stale against it and can't resurrect the row. Readers select
+`_cdc_deleted = false` (the `live_rows` helper) to see the source table.
+
+Atomicity (I4): the mirror changes in exactly one Delta commit per run, the MERGE, which carries
+the hour's slice and counts as its commit metadata. The error table is written first with an
+insert-only MERGE keyed by (topic, partition, offset), so a rerun after a crash adds nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from cdc_assets.config import TableSpec
+from cdc_assets.decode import (
+    DELETED,
+    ERROR,
+    HOUR,
+    INGESTED_AT,
+    KAFKA_OFFSET,
+    KAFKA_PARTITION,
+    OP,
+    SEQUENCE,
+    SOURCE_TS,
+)
+
+COMMIT_METADATA_CONF = "spark.databricks.delta.commitInfo.userMetadata"
+METADATA_COLUMNS = (OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET, HOUR, INGESTED_AT)
+
+ERROR_TABLE_SCHEMA = T.StructType(
+    [
+        T.StructField("topic", T.StringType(), False),
+        T.StructField("partition", T.IntegerType(), False),
+        T.StructField("offset", T.LongType(), False),
+        T.StructField("kafka_timestamp", T.TimestampType(), True),
+        T.StructField("key", T.BinaryType(), True),
+        T.StructField("value", T.BinaryType(), True),
+        T.StructField("reason", T.StringType(), False),
+        T.StructField("hour", T.StringType(), False),
+        T.StructField("ingested_at", T.TimestampType(), False),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    version: int
+    applied: int
+    rows_inserted: int
+    rows_updated: int
+    rows_deleted: int
+
+
+def mirror_columns(spec: TableSpec) -> list[str]:
+    return [*spec.columns, *METADATA_COLUMNS, DELETED]
+
+
+def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
+    """The newest change of each primary key in the slice (one aggregation, no sort)."""
+    columns = [c for c in mirror_columns(spec) if c != INGESTED_AT]
+    newest = F.max_by(F.struct(*[F.col(c) for c in columns]), F.col(SEQUENCE))
+    return (
+        changes.groupBy(*spec.primary_key)
+        .agg(newest.alias("_newest"))
+        .select(*[F.col(f"_newest.{c}").alias(c) for c in columns])
+    )
+
+
+def ensure_mirror_table(spark: SparkSession, path: str, changes: DataFrame) -> DeltaTable:
+    """Creates the mirror (change data feed on) the first time; new columns come via MERGE."""
+    schema = changes.schema
+    return (
+        DeltaTable.createIfNotExists(spark)
+        .location(path)
+        .addColumns(schema)
+        .property("delta.enableChangeDataFeed", "true")
+        .property("delta.enableDeletionVectors", "true")
+        .execute()
+    )
+
+
+@contextmanager
+def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
+    """Attaches `metadata` to the Delta commits made inside the block."""
+    spark.conf.set(COMMIT_METADATA_CONF, json.dumps(metadata, sort_keys=True))
+    try:
+        yield
+    finally:
+        spark.conf.unset(COMMIT_METADATA_CONF)
+
+
+def merge_changes(
+    spark: SparkSession, spec: TableSpec, path: str, latest: DataFrame, *, ingested_at
+) -> MergeOutcome:
+    """MERGEs the newest change per key into the mirror with the sequence guard."""
+    source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
+    source = source.select(*mirror_columns(spec))
+    table = ensure_mirror_table(spark, path, source)
+    on = " AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key)
+    newer = f"s.`{SEQUENCE}` > t.`{SEQUENCE}`"
+    everything = {c: f"s.`{c}`" for c in mirror_columns(spec)}
+    merge = table.alias("t").merge(source.alias("s"), on).withSchemaEvolution()
+    if spec.delete_mode == "hard":
+        merge = (
+            merge.whenMatchedDelete(condition=f"{newer} AND s.`{OP}` = 'd'")
+            .whenMatchedUpdate(condition=newer, set=everything)
+            .whenNotMatchedInsert(condition=f"s.`{OP}` <> 'd'", values=everything)
+        )
+    else:
+        # A delete keeps the row's last values; only the CDC columns move.
+        tombstone = {c: f"s.`{c}`" for c in (*METADATA_COLUMNS, DELETED)}
+        merge = (
+            merge.whenMatchedUpdate(condition=f"{newer} AND s.`{OP}` = 'd'", set=tombstone)
+            .whenMatchedUpdate(condition=newer, set=everything)
+            .whenNotMatchedInsertAll()
+        )
+    before = _version(table)
+    merge.execute()
+    version = _version(table)
+    if version == before:  # nothing to merge: Delta made no commit
+        return MergeOutcome(version, applied=0, rows_inserted=0, rows_updated=0, rows_deleted=0)
+    return _outcome(spark, spec, path, version)
+
+
+def _version(table: DeltaTable) -> int:
+    return table.history(1).select("version").first()["version"]
+
+
+def _outcome(spark: SparkSession, spec: TableSpec, path: str, version: int) -> MergeOutcome:
+    """Counts what the commit changed, pairing its change feed's pre- and post-images per key."""
+    feed = (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", version)
+        .option("endingVersion", version)
+        .load(path)
+    )
+    change = F.col("_change_type")
+    per_key = feed.groupBy(*spec.primary_key).agg(
+        F.max(change.isin("insert", "update_postimage", "delete").cast("int")).alias("applied"),
+        F.max(F.when(change == "update_preimage", F.col(DELETED))).alias("was_deleted"),
+        F.max(F.when(change.isin("insert", "update_postimage"), F.col(DELETED))).alias("is_del"),
+        F.max((change == "delete").cast("int")).alias("removed"),
+    )
+    existed = F.col("was_deleted").isNotNull()
+    was_live = existed & ~F.col("was_deleted")
+    totals = per_key.agg(
+        F.sum("applied").alias("applied"),
+        F.sum((~F.col("is_del") & ~was_live).cast("int")).alias("inserted"),
+        F.sum((~F.col("is_del") & was_live).cast("int")).alias("updated"),
+        F.sum(
+            ((F.col("is_del") & (was_live | ~existed)) | (F.col("removed") == 1)).cast("int")
+        ).alias("deleted"),
+    ).first()
+    return MergeOutcome(
+        version=version,
+        applied=totals["applied"] or 0,
+        rows_inserted=totals["inserted"] or 0,
+        rows_updated=totals["updated"] or 0,
+        rows_deleted=totals["deleted"] or 0,
+    )
+
+
+def write_errors(
+    spark: SparkSession, path: str, errors: DataFrame, *, hour_key: str, ingested_at
+) -> None:
+    """Adds bad records to the error table once each, keyed by their Kafka coordinates."""
+    rows = errors.select(
+        F.col("topic"),
+        F.col(KAFKA_PARTITION).alias("partition"),
+        F.col(KAFKA_OFFSET).alias("offset"),
+        F.col("_cdc_kafka_timestamp").alias("kafka_timestamp"),
+        F.col("key"),
+        F.col("value"),
+        F.col(ERROR).alias("reason"),
+        F.lit(hour_key).alias("hour"),
+        F.lit(ingested_at).cast("timestamp").alias("ingested_at"),
+    )
+    table = (
+        DeltaTable.createIfNotExists(spark)
+        .location(path)
+        .addColumns(ERROR_TABLE_SCHEMA)
+        .execute()
+    )
+    (
+        table.alias("t")
+        .merge(rows.alias("s"), "t.topic = s.topic AND t.partition = s.partition "
+               "AND t.offset = s.offset")
+        .whenNotMatchedInsertAll()
+        .execute()
+    )
+
+
+def live_rows(spark: SparkSession, path: str) -> DataFrame:
+    """The mirror as the source table looks: live rows, without the tombstones."""
+    return spark.read.format("delta").load(path).where(~F.col(DELETED))
+
+
+def hour_history(spark: SparkSession, path: str) -> list[dict]:
+    """The slice metadata of every commit this pipeline made to the mirror, newest first."""
+    if not DeltaTable.isDeltaTable(spark, path):
+        return []
+    rows = (
+        DeltaTable.forPath(spark, path)
+        .history()
+        .where(F.col("userMetadata").isNotNull())
+        .select("version", "userMetadata")
+        .collect()
+    )
+    history = []
+    for row in rows:
+        try:
+            meta = json.loads(row["userMetadata"])
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and "slice" in meta:
+            history.append({"version": row["version"], **meta})
+    return history

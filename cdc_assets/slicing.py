@@ -1,0 +1,185 @@
+"""Which Kafka offsets belong to an hour, and whether the hour may be read yet.
+
+The slice of hour [t0, t1) in partition p is [b_p(t0), b_p(t1)), where b_p(t) is the first
+offset whose timestamp is at or after t (Kafka's `offsets_for_times`), or the partition's end
+(the last stable offset, since we read committed data only) when no such message exists.
+
+b_p is monotonic in t even when producer timestamps are not, because {o : ts(o) >= t1} is a
+subset of {o : ts(o) >= t0} for t1 > t0. So consecutive hours share their boundary offsets and
+every offset belongs to exactly one hour (I1). A message whose producer timestamp lies in H
+but which was written after a message stamped H+1 belongs to the slice of H+1: slices follow the
+log, never reorder it.
+
+An hour is closed (I5) when each partition has moved past it, i.e. holds a message stamped at
+or after t1 within its committed range, or has been idle past the table's allowed lateness.
+An open hour is only sliced when a person forces it; its end offsets are then the current
+ends and the result says so.
+
+Retention (I6): Kafka's log start offset tells which offsets are gone. When what we know of
+the hour's true start (a previous run of this hour, or the end of the hour before) lies below
+the log start, the offsets in between are lost. With no such record, a slice that begins
+exactly at a non-zero log start cannot prove nothing older belonged to it, and is reported too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from kafka import KafkaConsumer, TopicPartition
+
+
+class SliceError(RuntimeError):
+    """The hour can't be sliced as asked; the message names the table, hour and what to do."""
+
+
+class OpenHourError(SliceError):
+    pass
+
+
+class DataLossError(SliceError):
+    pass
+
+
+@dataclass(frozen=True)
+class PartitionSlice:
+    partition: int
+    start: int  # inclusive
+    end: int  # exclusive
+    log_start: int
+    moved_past: bool  # holds a committed message stamped at or after the hour's end
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class LostRange:
+    partition: int
+    first: int | None  # None: unknown, no earlier run recorded where the hour began
+    end: int  # exclusive: the log start offset
+
+    def describe(self) -> str:
+        first = "?" if self.first is None else str(self.first)
+        return f"partition {self.partition}: offsets [{first}, {self.end})"
+
+
+@dataclass(frozen=True)
+class HourSlice:
+    topic: str
+    hour_start: datetime
+    hour_end: datetime
+    partitions: tuple[PartitionSlice, ...]
+    closed: bool
+    open_reason: str | None
+    lost: tuple[LostRange, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.partitions)
+
+    def start_offsets(self) -> dict[int, int]:
+        return {p.partition: p.start for p in self.partitions}
+
+    def end_offsets(self) -> dict[int, int]:
+        return {p.partition: p.end for p in self.partitions}
+
+    def as_dict(self) -> dict:
+        return {
+            "topic": self.topic,
+            "hour_start": self.hour_start.isoformat(),
+            "hour_end": self.hour_end.isoformat(),
+            "partitions": {
+                str(p.partition): {"start": p.start, "end": p.end} for p in self.partitions
+            },
+            "closed": self.closed,
+        }
+
+
+def _to_ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def compute_slice(
+    consumer: KafkaConsumer,
+    *,
+    table: str,
+    topic: str,
+    hour_start: datetime,
+    now: datetime,
+    allowed_lateness: timedelta,
+    known_starts: Mapping[int, int] | None = None,
+) -> HourSlice:
+    """Looks up the hour's offsets per partition and decides whether it has closed.
+
+    `known_starts` holds, per partition, where this hour is known to begin (from an earlier
+    run of it or the end of the previous hour), for exact data-loss reporting.
+    """
+    hour_end = hour_start + timedelta(hours=1)
+    partition_ids = consumer.partitions_for_topic(topic)
+    if not partition_ids:
+        raise SliceError(
+            f"table '{table}': topic '{topic}' does not exist or has no partitions on the "
+            "configured Kafka cluster; check the table's 'topic' setting and the cluster."
+        )
+    tps = [TopicPartition(topic, p) for p in sorted(partition_ids)]
+    log_starts = consumer.beginning_offsets(tps)
+    stable_ends = consumer.end_offsets(tps)  # last stable offsets: read_committed consumer
+    at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})
+    at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
+
+    lateness_passed = now >= hour_end + allowed_lateness
+    slices, waiting = [], []
+    for tp in tps:
+        stable_end = stable_ends[tp]
+        start = at_start[tp].offset if at_start[tp] is not None else stable_end
+        end = at_end[tp].offset if at_end[tp] is not None else stable_end
+        moved_past = at_end[tp] is not None and end < stable_end
+        if not moved_past and at_end[tp] is not None:
+            # The first message stamped past the hour is not committed yet (open transaction):
+            # what lies before it may still change.
+            end = min(end, stable_end)
+        start = min(start, end)
+        if not (moved_past or lateness_passed):
+            waiting.append(tp.partition)
+        slices.append(
+            PartitionSlice(
+                partition=tp.partition,
+                start=start,
+                end=end,
+                log_start=log_starts[tp],
+                moved_past=moved_past,
+            )
+        )
+    open_reason = None
+    if now < hour_end:
+        open_reason = f"the hour ends at {hour_end.isoformat()}, after now ({now.isoformat()})"
+    elif waiting:
+        open_reason = (
+            f"partitions {waiting} hold no committed message stamped at or after "
+            f"{hour_end.isoformat()} yet, and the allowed lateness of {allowed_lateness} "
+            f"runs until {(hour_end + allowed_lateness).isoformat()}"
+        )
+    return HourSlice(
+        topic=topic,
+        hour_start=hour_start,
+        hour_end=hour_end,
+        partitions=tuple(slices),
+        closed=open_reason is None,
+        open_reason=open_reason,
+        lost=tuple(_lost_ranges(slices, known_starts or {})),
+    )
+
+
+def _lost_ranges(slices: list[PartitionSlice], known_starts: Mapping[int, int]) -> list[LostRange]:
+    lost = []
+    for part in slices:
+        known = known_starts.get(part.partition)
+        if known is not None:
+            if known < part.log_start:
+                lost.append(LostRange(part.partition, known, part.log_start))
+        elif part.log_start > 0 and part.start == part.log_start and part.size > 0:
+            lost.append(LostRange(part.partition, None, part.log_start))
+    return lost

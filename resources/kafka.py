@@ -1,0 +1,70 @@
+"""The Kafka cluster the CDC topics live on, for kafka-python (slicing) and Spark (reading)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+from kafka import KafkaConsumer
+from pydantic import Field
+
+
+class KafkaResource(dg.ConfigurableResource):
+    """Connection settings shared by the offset lookups and the Spark reads.
+
+    Security settings are passed through unchanged to both clients. Give secrets as
+    `dg.EnvVar("...")`; they are never written to metadata or logs.
+    """
+
+    bootstrap_servers: str = Field(description="Comma-separated host:port list.")
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = Field(default=None, description="PEM file with the CA to trust.")
+    request_timeout_ms: int = 30_000
+
+    def consumer(self) -> KafkaConsumer:
+        """A consumer for metadata and offset lookups only: no group, no commits, committed reads."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "enable_auto_commit": False,
+            "group_id": None,
+            "isolation_level": "read_committed",
+            "request_timeout_ms": self.request_timeout_ms,
+            "security_protocol": self.security_protocol,
+            "api_version_auto_timeout_ms": min(self.request_timeout_ms, 10_000),
+        }
+        if self.sasl_mechanism:
+            kwargs |= {
+                "sasl_mechanism": self.sasl_mechanism,
+                "sasl_plain_username": self.sasl_username,
+                "sasl_plain_password": self.sasl_password,
+            }
+        if self.ssl_cafile:
+            kwargs["ssl_cafile"] = self.ssl_cafile
+        return KafkaConsumer(**kwargs)
+
+    def spark_options(self) -> dict[str, str]:
+        """Options for `spark.read.format("kafka")` (Spark redacts the JAAS config in its logs)."""
+        options = {
+            "kafka.bootstrap.servers": self.bootstrap_servers,
+            "kafka.security.protocol": self.security_protocol,
+            "kafka.isolation.level": "read_committed",
+            "kafka.request.timeout.ms": str(self.request_timeout_ms),
+        }
+        if self.sasl_mechanism:
+            module = (
+                "org.apache.kafka.common.security.plain.PlainLoginModule"
+                if self.sasl_mechanism == "PLAIN"
+                else "org.apache.kafka.common.security.scram.ScramLoginModule"
+            )
+            options["kafka.sasl.mechanism"] = self.sasl_mechanism
+            options["kafka.sasl.jaas.config"] = (
+                f'{module} required username="{self.sasl_username}" '
+                f'password="{self.sasl_password}";'
+            )
+        if self.ssl_cafile:
+            options["kafka.ssl.truststore.type"] = "PEM"
+            options["kafka.ssl.truststore.location"] = self.ssl_cafile
+        return options
