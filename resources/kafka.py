@@ -33,7 +33,6 @@ class KafkaResource(dg.ConfigurableResource):
             "isolation_level": "read_committed",
             "request_timeout_ms": self.request_timeout_ms,
             "security_protocol": self.security_protocol,
-            "api_version_auto_timeout_ms": min(self.request_timeout_ms, 10_000),
         }
         if self.sasl_mechanism:
             kwargs |= {

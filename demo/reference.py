@@ -1,0 +1,240 @@
+"""Reference replay: what a mirror table must contain, computed in plain Python from Kafka.
+
+Deliberately independent of `demo.source` (it shares no code with the generator) and of the
+Spark pipeline, so it can judge both. Given a table's records as read back from Kafka
+(partition, offset, value bytes) in any order, it:
+
+- skips tombstones (value None);
+- parses the Debezium envelope, with or without the Kafka Connect ``schema``/``payload``
+  wrapper, and rejects as malformed: bytes that are not a JSON object, a missing or unknown
+  ``op`` (``c``/``r``/``u``/``d`` are known), a missing sequence field, a missing row image
+  (``after`` for c/r/u, ``before`` for d), a missing or null primary-key column, and a column
+  value of the wrong type for the spec (ints in range, decimals that fit ``decimal(p,s)``,
+  timestamps as epoch micros unless the wrapper's schema names another unit, dates as epoch
+  days, strict JSON types otherwise);
+- orders the changes of one key by (the spec's sequence fields, partition, offset); c/r/u set
+  the row to ``after``, d deletes it, and a change not newer than the last applied change of
+  its key is ignored (a deleted key remembers its position, so an older change cannot revive
+  it). The result does not depend on the order the records are given in.
+
+Values come back as Python objects typed per the spec: int, float, str, bool, Decimal at the
+declared scale, tz-aware UTC datetime, date.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from typing import Any
+
+from cdc_assets.config import TableSpec
+
+KNOWN_OPS = ("c", "r", "u", "d")
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_EPOCH_DATE = date(1970, 1, 1)
+_DECIMAL = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
+_INT_RANGE = {"int": (-(2**31), 2**31 - 1), "bigint": (-(2**63), 2**63 - 1)}
+# Microseconds per unit of each Debezium timestamp logical type.
+_TIMESTAMP_UNITS = {
+    "io.debezium.time.Timestamp": 1000,
+    "io.debezium.time.MicroTimestamp": 1,
+    "io.debezium.time.NanoTimestamp": None,  # nanoseconds: divided, not multiplied
+}
+
+Row = dict[str, Any]
+ReplayError = tuple[int, int, str]
+
+
+class _Malformed(Exception):
+    """A record that is not a valid change; the message is the reason."""
+
+
+def replay(spec: TableSpec, records: Iterable[tuple[int, int, bytes | None]]) -> dict[tuple, Row]:
+    """The table's live rows after applying `records` (partition, offset, value).
+
+    Returns:
+        Rows by primary-key tuple (values in `spec.primary_key` order).
+    """
+    return replay_with_errors(spec, records)[0]
+
+
+def replay_with_errors(
+    spec: TableSpec, records: Iterable[tuple[int, int, bytes | None]]
+) -> tuple[dict[tuple, Row], list[ReplayError]]:
+    """Like `replay`, also returning the rejected records as (partition, offset, reason).
+
+    Reasons start with one of: "invalid json", "missing op", "unknown op", "missing sequence",
+    "missing row", "missing primary key", "wrong type".
+    """
+    # key -> (position of the last applied change, row or None when deleted)
+    latest: dict[tuple, tuple[tuple, Row | None]] = {}
+    errors: list[ReplayError] = []
+    for partition, offset, value in records:
+        if value is None:
+            continue  # tombstone: log compaction's marker, the delete event came before it
+        try:
+            op, sequence, row = _parse(spec, value)
+        except _Malformed as exc:
+            errors.append((partition, offset, str(exc)))
+            continue
+        key = tuple(row[col] for col in spec.primary_key)
+        position = (sequence, partition, offset)
+        current = latest.get(key)
+        if current is not None and position <= current[0]:
+            continue
+        latest[key] = (position, None if op == "d" else row)
+    live = {key: row for key, (_, row) in latest.items() if row is not None}
+    return live, errors
+
+
+def _parse(spec: TableSpec, value: bytes) -> tuple[str, tuple, Row]:
+    try:
+        document = json.loads(value.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _Malformed(f"invalid json: {exc}") from None
+    if not isinstance(document, dict):
+        raise _Malformed(f"invalid json: expected an object, got {type(document).__name__}")
+    logical_types: dict[str, str] = {}
+    if "schema" in document and "payload" in document:
+        logical_types = _logical_types(document["schema"])
+        document = document["payload"]
+        if not isinstance(document, dict):
+            raise _Malformed("invalid json: the payload is not an object")
+    op = document.get("op")
+    if op is None:
+        raise _Malformed("missing op")
+    if op not in KNOWN_OPS:
+        raise _Malformed(f"unknown op {_short(op)}")
+    sequence = tuple(_sequence_value(document, field.field, field.type) for field in spec.sequence)
+    image = "before" if op == "d" else "after"
+    raw = document.get(image)
+    if not isinstance(raw, dict):
+        raise _Malformed(f"missing row: op '{op}' needs an object in '{image}'")
+    missing = [col for col in spec.primary_key if raw.get(col) is None]
+    if missing:
+        raise _Malformed(f"missing primary key: {missing} absent or null in '{image}'")
+    row = {
+        col: _convert(col, spark_type, raw.get(col), logical_types.get(col))
+        for col, spark_type in spec.columns.items()
+    }
+    return op, sequence, row
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _logical_types(schema: Any) -> dict[str, str]:
+    """Column -> Connect logical type name, from the row structs of an envelope schema."""
+    names: dict[str, str] = {}
+    if not isinstance(schema, dict):
+        return names
+    for field in schema.get("fields") or ():
+        if isinstance(field, dict) and field.get("field") in ("before", "after"):
+            for column in field.get("fields") or ():
+                if isinstance(column, dict) and column.get("name") and column.get("field"):
+                    names[column["field"]] = column["name"]
+    return names
+
+
+def _sequence_value(document: dict[str, Any], path: str, kind: str) -> int | str:
+    node: Any = document
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if kind == "bigint" and isinstance(node, int) and not isinstance(node, bool):
+        return node
+    if kind == "string" and isinstance(node, str):
+        return node
+    raise _Malformed(f"missing sequence: '{path}' is {_short(node)}, expected a {kind}")
+
+
+def _convert(column: str, spark_type: str, value: Any, logical_type: str | None) -> Any:
+    """The Python value of a JSON column value, or `_Malformed` if it does not fit the type."""
+    if value is None:
+        return None
+    try:
+        converted = _CONVERTERS.get(spark_type, _to_decimal)(value, spark_type, logical_type)
+    except (ValueError, TypeError, ArithmeticError, OverflowError):
+        converted = None
+    if converted is None:
+        raise _Malformed(f"wrong type: column '{column}' ({spark_type}) got {_short(value)}")
+    return converted
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _to_int(value: Any, spark_type: str, _logical: str | None) -> int | None:
+    low, high = _INT_RANGE[spark_type]
+    return value if _is_int(value) and low <= value <= high else None
+
+
+def _to_float(value: Any, _type: str, _logical: str | None) -> float | None:
+    return float(value) if _is_int(value) or isinstance(value, float) else None
+
+
+def _to_str(value: Any, _type: str, _logical: str | None) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _to_bool(value: Any, _type: str, _logical: str | None) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _to_timestamp(value: Any, _type: str, logical: str | None) -> datetime | None:
+    if isinstance(value, str):
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    if not _is_int(value):
+        return None
+    unit = _TIMESTAMP_UNITS.get(logical or "io.debezium.time.MicroTimestamp", 1)
+    micros = value // 1000 if unit is None else value * unit
+    return _EPOCH + timedelta(microseconds=micros)
+
+
+def _to_date(value: Any, _type: str, _logical: str | None) -> date | None:
+    if isinstance(value, str):
+        return date.fromisoformat(value)
+    return _EPOCH_DATE + timedelta(days=value) if _is_int(value) else None
+
+
+def _to_decimal(value: Any, spark_type: str, _logical: str | None) -> Decimal | None:
+    match = _DECIMAL.match(spark_type)
+    if match is None:
+        raise ValueError(f"unsupported column type '{spark_type}'")
+    precision, scale = int(match[1]), int(match[2])
+    if isinstance(value, str) or _is_int(value):
+        number = Decimal(value)
+    elif isinstance(value, float):
+        number = Decimal(repr(value))
+    else:
+        return None
+    if not number.is_finite():
+        return None
+    try:
+        quantized = number.quantize(Decimal(1).scaleb(-scale), ROUND_HALF_UP)
+    except InvalidOperation:
+        return None
+    return quantized if abs(quantized) < Decimal(10) ** (precision - scale) else None
+
+
+_CONVERTERS = {
+    "bigint": _to_int,
+    "int": _to_int,
+    "double": _to_float,
+    "float": _to_float,
+    "string": _to_str,
+    "boolean": _to_bool,
+    "timestamp": _to_timestamp,
+    "date": _to_date,
+}

@@ -1,0 +1,1 @@
+"""Developer tooling: local services for development, the demo and the tests."""

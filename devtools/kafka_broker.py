@@ -1,0 +1,660 @@
+"""Single-node KRaft Kafka broker on loopback, for development, the demo and the tests.
+
+The broker runs from the jars Maven resolves into ``.jars/kafka-broker`` (``mvn -q package``)
+as a detached process, so it outlives the Python process that started it. Everything it owns
+(config files, pid file, logs, Kafka data) lives in ``BrokerConfig.data_dir``.
+
+Command line::
+
+    python -m devtools.kafka_broker start|stop|status [--port N] [--data-dir PATH]
+
+``--port`` and ``--data-dir`` default to the environment variables ``CDC_KAFKA_PORT`` and
+``CDC_KAFKA_DATA_DIR``, then to 19092 and ``<repo>/.local/kafka``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+DEFAULT_PORT = 19092
+PORT_ENV = "CDC_KAFKA_PORT"
+DATA_DIR_ENV = "CDC_KAFKA_DATA_DIR"
+
+_LOG_TAIL_LINES = 40
+_KILL_WAIT_S = 10.0
+# Brokers started by this interpreter. Their Popen objects tell reliably whether they still
+# run, and reap them: an exited child stays a zombie, which os.kill(pid, 0) reports as alive.
+_CHILDREN: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Where and how the local broker runs.
+
+    Attributes:
+        port: PLAINTEXT listener port on 127.0.0.1; clients bootstrap from it.
+        controller_port: KRaft CONTROLLER listener port; None means ``port + 1``.
+        data_dir: Holds the generated config, the pid file, the logs and the Kafka data.
+        heap: JVM maximum heap (``-Xmx``), e.g. ``"512m"``.
+        jars_dir: Directory whose jars form the broker classpath.
+        extra: Additional ``server.properties`` entries as (key, value) pairs; they override
+            the defaults. The PLAINTEXT listener on ``port`` must stay, as readiness is
+            probed through it.
+    """
+
+    port: int = DEFAULT_PORT
+    controller_port: int | None = None
+    data_dir: Path = REPO_ROOT / ".local" / "kafka"
+    heap: str = "512m"
+    jars_dir: Path = REPO_ROOT / ".jars" / "kafka-broker"
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # Absolute paths: the running broker is recognised by the properties path on its
+        # command line, which must not depend on the caller's working directory.
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
+        object.__setattr__(self, "jars_dir", Path(self.jars_dir).expanduser().resolve())
+        object.__setattr__(self, "extra", tuple((str(k), str(v)) for k, v in self.extra))
+        if self.effective_controller_port == self.port:
+            raise ValueError(f"port and controller_port must differ (both {self.port})")
+
+    @property
+    def effective_controller_port(self) -> int:
+        """The controller listener port, resolving the ``port + 1`` default."""
+        # Resolved lazily rather than stored, so dataclasses.replace(config, port=...) moves
+        # the default controller port along with the port.
+        return self.port + 1 if self.controller_port is None else self.controller_port
+
+    @property
+    def bootstrap(self) -> str:
+        """Bootstrap servers string for Kafka clients."""
+        return f"{HOST}:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        """Pid file of the running broker."""
+        return self.data_dir / "broker.pid"
+
+    @property
+    def log_file(self) -> Path:
+        """The broker process's stdout and stderr (JVM-level failures land here)."""
+        return self.data_dir / "broker.log"
+
+    @property
+    def server_log(self) -> Path:
+        """Kafka's own log4j log."""
+        return self.data_dir / "logs" / "server.log"
+
+    @property
+    def properties_file(self) -> Path:
+        """The generated ``server.properties``."""
+        return self.data_dir / "server.properties"
+
+
+def server_properties(config: BrokerConfig) -> dict[str, str]:
+    """Return the broker settings for ``config``, ``config.extra`` applied last."""
+    port, controller_port = config.port, config.effective_controller_port
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{HOST}:{controller_port}",
+        "listeners": f"PLAINTEXT://{HOST}:{port},CONTROLLER://{HOST}:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{HOST}:{port}",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "controller.listener.names": "CONTROLLER",
+        "log.dirs": str(_kafka_data_dir(config)),
+        "num.partitions": "3",
+        "offsets.topic.replication.factor": "1",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        # Topics are declared explicitly, so a typo fails instead of creating a topic.
+        "auto.create.topics.enable": "false",
+        # The demo and the tests produce events with old CreateTime timestamps; time-based
+        # retention would delete them as soon as their segment rolls.
+        "log.retention.ms": "-1",
+        "log.message.timestamp.type": "CreateTime",
+        # A development box, not a production broker: fewer threads, and a 32 MiB instead of
+        # a 128 MiB log-cleaner buffer (compacted __consumer_offsets) so 512m of heap is ample.
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+        "num.recovery.threads.per.data.dir": "1",
+        "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
+    }
+    props.update(config.extra)
+    return props
+
+
+def start(config: BrokerConfig, timeout_s: float = 60) -> str:
+    """Start the broker unless it already runs, and wait until it answers.
+
+    Args:
+        config: Which broker.
+        timeout_s: How long to wait for the broker to answer.
+
+    Returns:
+        The bootstrap servers, ``"127.0.0.1:<port>"``.
+
+    Raises:
+        RuntimeError: A port is taken, Java or the jars are missing, formatting failed, or the
+            broker died or did not answer in time (the message quotes its logs).
+    """
+    with _locked(config):
+        pid = _running_pid(config)
+        if pid is not None:
+            if _read_text(config.properties_file) != _render_properties(server_properties(config)):
+                raise RuntimeError(
+                    f"A Kafka broker from {config.data_dir} already runs (pid {pid}) with other "
+                    f"settings than requested; stop it first: python -m devtools.kafka_broker "
+                    f"stop --data-dir {config.data_dir}"
+                )
+            _wait_until_ready(config, pid, timeout_s)
+            return config.bootstrap
+        config.pid_file.unlink(missing_ok=True)
+
+        _check_ports_free(config)
+        java = _java()
+        classpath = _classpath(config)
+        _write_configs(config)
+        _format_storage(config, java, classpath)
+        pid = _launch(config, java, classpath)
+        try:
+            _wait_until_ready(config, pid, timeout_s)
+        except BaseException:
+            # A half-started broker would hold the ports and block the next attempt.
+            _terminate(config, pid, _KILL_WAIT_S)
+            config.pid_file.unlink(missing_ok=True)
+            raise
+    return config.bootstrap
+
+
+def stop(config: BrokerConfig, timeout_s: float = 30) -> bool:
+    """Stop the broker: SIGTERM (controlled shutdown), then SIGKILL after ``timeout_s``.
+
+    Returns:
+        Whether a broker was running.
+    """
+    if not config.data_dir.is_dir():
+        return False
+    with _locked(config):
+        pid = _running_pid(config)
+        if pid is not None:
+            _terminate(config, pid, timeout_s)
+        config.pid_file.unlink(missing_ok=True)
+    return pid is not None
+
+
+def status(config: BrokerConfig) -> dict[str, object]:
+    """Describe the broker of ``config.data_dir`` without changing anything.
+
+    Returns:
+        ``running``, ``pid`` (None when not running), ``bootstrap``, ``data_dir``,
+        ``log_file`` (process output) and ``server_log`` (Kafka's log).
+    """
+    pid = _running_pid(config)
+    return {
+        "running": pid is not None,
+        "pid": pid,
+        "bootstrap": config.bootstrap,
+        "data_dir": str(config.data_dir),
+        "log_file": str(config.log_file),
+        "server_log": str(config.server_log),
+    }
+
+
+def _kafka_data_dir(config: BrokerConfig) -> Path:
+    return config.data_dir / "kraft-data"
+
+
+def _log4j_file(config: BrokerConfig) -> Path:
+    return config.data_dir / "log4j.properties"
+
+
+@contextlib.contextmanager
+def _locked(config: BrokerConfig) -> Iterator[None]:
+    """Serialise start/stop on one data_dir, e.g. two test sessions starting the broker."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    with open(config.data_dir / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _running_pid(config: BrokerConfig) -> int | None:
+    try:
+        pid = int(config.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _is_our_broker(config, pid) else None
+
+
+def _is_our_broker(config: BrokerConfig, pid: int) -> bool:
+    """Whether ``pid`` is alive and is the broker of ``config.data_dir``."""
+    if pid in _CHILDREN:
+        child, properties_file = _CHILDREN[pid]
+        # Our own child: its exit status is authoritative. The command line is not: right
+        # after Popen returns, the kernel may still be mid-exec and show an empty one.
+        if child.poll() is None:
+            return properties_file == config.properties_file
+        del _CHILDREN[pid]
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # Another user's process: the pid was reused, it cannot be a broker we started.
+        return False
+    # Pids get reused after reboots or crashes; the command line names our properties file.
+    command = _command_line(pid)
+    return (
+        command is not None and "kafka.Kafka" in command and str(config.properties_file) in command
+    )
+
+
+def _command_line(pid: int) -> str | None:
+    if Path("/proc/self/cmdline").exists():
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        # A zombie has an empty command line: it is not running any more.
+        return raw.replace(b"\0", b" ").decode(errors="replace") or None
+    result = subprocess.run(
+        ["ps", "-ww", "-o", "command=", "-p", str(pid)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
+
+
+def _check_ports_free(config: BrokerConfig) -> None:
+    ports = [(config.port, "PLAINTEXT"), (config.effective_controller_port, "CONTROLLER")]
+    for port, listener in ports:
+        if not _port_free(port):
+            raise RuntimeError(_port_taken_message(port, listener))
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR like Kafka's own listener, so TIME_WAIT connections left by a just
+        # stopped broker do not count as taken; listen() still fails if anything listens.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+            sock.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def _port_taken_message(port: int, listener: str) -> str:
+    return (
+        f"Port {port} on {HOST} (the Kafka {listener} listener) is already in use by another "
+        f"process. Choose another port with `python -m devtools.kafka_broker start --port N` "
+        f"or the environment variable {PORT_ENV}=N (the controller listener uses N+1), "
+        f"or BrokerConfig(port=N) from Python."
+    )
+
+
+def _java() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").is_file():
+        return str(Path(java_home) / "bin" / "java")
+    java = shutil.which("java")
+    if java is None:
+        raise RuntimeError("Java not found: put Java 17+ on PATH or set JAVA_HOME.")
+    return java
+
+
+def _classpath(config: BrokerConfig) -> str:
+    if not any(config.jars_dir.glob("kafka_*.jar")):
+        raise RuntimeError(
+            f"No Kafka broker jars in {config.jars_dir}; resolve them with `mvn -q package` "
+            f"in {REPO_ROOT}."
+        )
+    # The JVM expands the wildcard itself.
+    return str(config.jars_dir / "*")
+
+
+def _escape_property(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _render_properties(props: dict[str, str]) -> str:
+    lines = ["# Generated by devtools/kafka_broker.py; rewritten on every start."]
+    for raw_key, value in props.items():
+        key = _escape_property(raw_key)
+        for char in "=: ":
+            key = key.replace(char, "\\" + char)
+        lines.append(f"{key}={_escape_property(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _log4j_properties(config: BrokerConfig) -> dict[str, str]:
+    logs = config.server_log.parent
+    props = {"log4j.rootLogger": "INFO, server"}
+
+    def appender(name: str, file_name: str) -> None:
+        # Size-capped files: a long-lived dev broker must not fill the disk with logs.
+        prefix = f"log4j.appender.{name}"
+        props[prefix] = "org.apache.log4j.RollingFileAppender"
+        props[f"{prefix}.File"] = str(logs / file_name)
+        props[f"{prefix}.MaxFileSize"] = "20MB"
+        props[f"{prefix}.MaxBackupIndex"] = "2"
+        props[f"{prefix}.layout"] = "org.apache.log4j.PatternLayout"
+        props[f"{prefix}.layout.ConversionPattern"] = "[%d] %p %m (%c)%n"
+
+    appender("server", "server.log")
+    appender("stateChange", "state-change.log")
+    appender("controller", "controller.log")
+    # Split off like in Kafka's distribution, so server.log stays readable.
+    for logger, name, level in [
+        ("state.change.logger", "stateChange", "INFO"),
+        ("kafka.controller", "controller", "INFO"),
+        ("org.apache.kafka.controller", "controller", "INFO"),
+    ]:
+        props[f"log4j.logger.{logger}"] = f"{level}, {name}"
+        props[f"log4j.additivity.{logger}"] = "false"
+    props["log4j.logger.kafka.request.logger"] = "WARN"
+    return props
+
+
+def _write_configs(config: BrokerConfig) -> None:
+    config.server_log.parent.mkdir(parents=True, exist_ok=True)
+    config.properties_file.write_text(_render_properties(server_properties(config)))
+    _log4j_file(config).write_text(_render_properties(_log4j_properties(config)))
+
+
+def _jvm_options(config: BrokerConfig, heap: str) -> list[str]:
+    return [
+        f"-Xmx{heap}",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:+ExitOnOutOfMemoryError",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j.configuration={_log4j_file(config).as_uri()}",
+    ]
+
+
+def _cluster_id(config: BrokerConfig) -> str:
+    id_file = config.data_dir / "cluster.id"
+    if id_file.is_file():
+        return id_file.read_text().strip()
+    # Kafka's Uuid string form: URL-safe base64 of 16 bytes without padding. Like Kafka's
+    # Uuid.randomUuid, avoid a leading "-": a command line would take such an id for an option.
+    cluster_id = "-"
+    while cluster_id.startswith("-"):
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    id_file.write_text(cluster_id + "\n")
+    return cluster_id
+
+
+def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
+    """Format the KRaft storage once; a formatted log dir has meta.properties."""
+    if (_kafka_data_dir(config) / "meta.properties").is_file():
+        return
+    # Static controller.quorum.voters: Kafka 3.9 refuses --standalone/--initial-controllers
+    # with it, so plain `format -t -c` is the right call.
+    command = [
+        java,
+        *_jvm_options(config, "256m"),
+        "-cp",
+        classpath,
+        "kafka.tools.StorageTool",
+        "format",
+        # The --opt=value form keeps argparse4j from reading a value as an option.
+        f"--cluster-id={_cluster_id(config)}",
+        f"--config={config.properties_file}",
+        "--ignore-formatted",
+    ]
+    result = subprocess.run(
+        command,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"Formatting the KRaft storage in {_kafka_data_dir(config)} failed "
+            f"(exit {result.returncode}):\n{result.stdout}{result.stderr}"
+            f"{_log_report(config)}"
+        )
+
+
+def _launch(config: BrokerConfig, java: str, classpath: str) -> int:
+    command = [
+        java,
+        *_jvm_options(config, config.heap),
+        "-cp",
+        classpath,
+        "kafka.Kafka",
+        str(config.properties_file),
+    ]
+    with open(config.log_file, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=config.data_dir,
+            close_fds=True,
+            # Own session: the broker survives the CLI, and Ctrl-C in the caller's terminal
+            # does not reach it.
+            start_new_session=True,
+        )
+    _CHILDREN[process.pid] = (process, config.properties_file)
+    config.pid_file.write_text(f"{process.pid}\n")
+    return process.pid
+
+
+def _wait_until_ready(config: BrokerConfig, pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not _is_our_broker(config, pid):
+            raise RuntimeError(
+                f"The Kafka broker (pid {pid}) exited during startup.{_log_report(config)}"
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(
+                f"The Kafka broker (pid {pid}) did not answer on {config.bootstrap} within "
+                f"{timeout_s:g}s.{_log_report(config)}"
+            )
+        if _answers(config.bootstrap, min(remaining, 5.0)):
+            return
+        time.sleep(0.2)
+
+
+class _ProbeAdminClient(KafkaAdminClient):
+    """KafkaAdminClient that does not leak its IO thread when bootstrapping fails."""
+
+    def __init__(self, **configs: object) -> None:
+        try:
+            super().__init__(**configs)
+        except BaseException:
+            # kafka-python starts its IO thread before bootstrapping and leaves it running
+            # when the bootstrap fails; a readiness poll would pile up such threads.
+            if hasattr(self, "_net"):
+                self._closed = False
+                self.close()
+            raise
+
+
+def _answers(bootstrap: str, timeout_s: float) -> bool:
+    """Whether the broker serves metadata requests, not merely accepts connections."""
+    host, port = bootstrap.rsplit(":", 1)
+    try:
+        # Cheap pre-check: a refused connection needs no Kafka client round.
+        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 1.0)):
+            pass
+    except OSError:
+        return False
+    timeout_ms = max(int(timeout_s * 1000), 100)
+    try:
+        admin = _ProbeAdminClient(
+            bootstrap_servers=bootstrap,
+            client_id="devtools-kafka-broker-probe",
+            bootstrap_timeout_ms=timeout_ms,
+            request_timeout_ms=timeout_ms,
+        )
+    except KafkaError:
+        return False
+    try:
+        admin.list_topics()
+    except KafkaError:
+        return False
+    finally:
+        admin.close()
+    return True
+
+
+def _terminate(config: BrokerConfig, pid: int, timeout_s: float) -> None:
+    _signal_group(pid, signal.SIGTERM)
+    if _wait_for_exit(config, pid, timeout_s):
+        return
+    _signal_group(pid, signal.SIGKILL)
+    if not _wait_for_exit(config, pid, _KILL_WAIT_S):
+        raise RuntimeError(f"The Kafka broker (pid {pid}) survived SIGKILL.")
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        # The broker leads its own session/group (start_new_session); signal the whole group.
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _wait_for_exit(config: BrokerConfig, pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _is_our_broker(config, pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+# A "\tkey = value" line of the config dump Kafka logs at startup.
+_CONFIG_DUMP_LINE = re.compile(r"^\t[\w.-]+ = ")
+
+
+def _tail(path: Path, lines: int) -> str:
+    text = _read_text(path)
+    if not text:
+        return ""
+    # The config dump (hundreds of lines) would crowd the actual error out of the tail.
+    kept = [line for line in text.splitlines() if not _CONFIG_DUMP_LINE.match(line)]
+    return "\n".join(kept[-lines:])
+
+
+def _log_report(config: BrokerConfig) -> str:
+    parts = []
+    for path in (config.log_file, config.server_log):
+        tail = _tail(path, _LOG_TAIL_LINES)
+        if tail:
+            parts.append(f"\n--- last lines of {path} ---\n{tail}")
+    return "".join(parts) if parts else f"\n(no output in {config.log_file})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m devtools.kafka_broker",
+        description="Run the local single-node KRaft Kafka broker.",
+    )
+    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"PLAINTEXT port; the controller uses port+1 (env {PORT_ENV}, default {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"broker state directory (env {DATA_DIR_ENV}, default {BrokerConfig.data_dir})",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds to wait (start 60, stop 30)"
+    )
+    args = parser.parse_args(argv)
+
+    port = args.port
+    if port is None:
+        env_port = os.environ.get(PORT_ENV)
+        try:
+            port = int(env_port) if env_port else DEFAULT_PORT
+        except ValueError:
+            parser.error(f"{PORT_ENV}={env_port!r} is not a port number")
+    data_dir = args.data_dir or os.environ.get(DATA_DIR_ENV) or BrokerConfig.data_dir
+    # The readiness probe's connection errors are expected while the broker boots.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+
+    try:
+        config = BrokerConfig(port=port, data_dir=Path(data_dir))
+        if args.command == "start":
+            started = time.monotonic()
+            bootstrap = start(config, 60 if args.timeout is None else args.timeout)
+            info = status(config)
+            print(bootstrap)
+            print(
+                f"Kafka broker ready on {bootstrap} (pid {info['pid']}, "
+                f"{time.monotonic() - started:.1f}s)\n"
+                f"  process output: {config.log_file}\n  Kafka log:      {config.server_log}",
+                file=sys.stderr,
+            )
+        elif args.command == "stop":
+            was_running = stop(config, 30 if args.timeout is None else args.timeout)
+            print("stopped" if was_running else f"not running (data dir {config.data_dir})")
+        else:
+            info = status(config)
+            print(json.dumps(info, indent=2))
+            return 0 if info["running"] else 3
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Shared fixtures: one real Kafka broker, one real Spark session, a fresh lake per test."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from devtools import kafka_broker
+from resources.kafka import KafkaResource
+from resources.lake import LakeResource
+from resources.spark import SparkResource
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real single-node KRaft broker for the whole test session; yields bootstrap servers."""
+    config = kafka_broker.BrokerConfig(
+        port=_free_port(),
+        controller_port=_free_port(),
+        data_dir=tmp_path_factory.mktemp("kafka"),
+    )
+    bootstrap = kafka_broker.start(config)
+    yield bootstrap
+    kafka_broker.stop(config)
+
+
+@pytest.fixture(scope="session")
+def kafka(broker: str) -> KafkaResource:
+    return KafkaResource(bootstrap_servers=broker)
+
+
+@pytest.fixture(scope="session")
+def spark_resource() -> SparkResource:
+    # Small shuffles and 1g driver: the suite shares two cores with the broker.
+    return SparkResource(master="local[2]", shuffle_partitions=4, driver_memory="1g")
+
+
+@pytest.fixture(scope="session")
+def spark(spark_resource: SparkResource) -> Iterator[SparkSession]:
+    session = spark_resource.session
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def lake(tmp_path: Path) -> LakeResource:
+    return LakeResource(root=str(tmp_path / "lake"))
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A fresh topic namespace per test, so tests never see each other's records."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def create_topic(broker: str) -> Iterator:
+    """Creates topics for a test and deletes them afterwards."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=broker)
+    created: list[str] = []
+
+    def create(name: str, partitions: int = 3) -> str:
+        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        created.append(name)
+        return name
+
+    yield create
+    if created:
+        admin.delete_topics(created)
+    admin.close()
+
+
+@pytest.fixture
+def send(broker: str) -> Iterator:
+    """send(topic, key, value, timestamp_ms, partition=None) -> (partition, offset)."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=broker, acks="all", linger_ms=0)
+
+    def _send(topic, key, value, timestamp_ms, partition=None):
+        meta = producer.send(
+            topic, key=key, value=value, timestamp_ms=timestamp_ms, partition=partition
+        ).get(timeout=30)
+        return meta.partition, meta.offset
+
+    yield _send
+    producer.close()

@@ -1,0 +1,138 @@
+"""devtools.kafka_broker against a real single-node KRaft broker in a temporary data dir."""
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+
+from devtools.kafka_broker import BrokerConfig, start, status, stop
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not any(BrokerConfig().jars_dir.glob("kafka_*.jar")),
+        reason="Kafka broker jars missing: run `mvn -q package` in the repo root",
+    ),
+]
+
+TOPIC = "devtools.smoke"
+# Far older than any retention period: the broker must keep it (log.retention.ms=-1).
+OLD_TIMESTAMP_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct ports nothing listens on right now (all held at once so none repeats)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Iterator[BrokerConfig]:
+    port, controller_port = _free_ports(2)
+    config = BrokerConfig(
+        port=port, controller_port=controller_port, data_dir=tmp_path / "kafka", heap="256m"
+    )
+    yield config
+    # Never leave a broker behind, whatever the test did.
+    stop(config, timeout_s=10)
+
+
+def _read(bootstrap: str, topic: str, count: int, timeout_s: float = 15) -> list:
+    """Read the first ``count`` records of partition 0, without waiting for more."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partition = TopicPartition(topic, 0)
+        consumer.assign([partition])
+        consumer.seek_to_beginning(partition)
+        records: list = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend(batch)
+        return records
+    finally:
+        consumer.close()
+
+
+def test_lifecycle(config: BrokerConfig) -> None:
+    started = time.monotonic()
+    bootstrap = start(config, timeout_s=45)
+    startup_s = time.monotonic() - started
+    assert bootstrap == f"127.0.0.1:{config.port}"
+    pid = status(config)["pid"]
+    assert isinstance(pid, int)
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(TOPIC, num_partitions=1, replication_factor=1)])
+        assert TOPIC in admin.list_topics()
+        broker_configs = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.BROKER, "1", ["log.retention.ms"])],
+            config_filter="all",
+        )
+        assert broker_configs["broker"]["1"]["log.retention.ms"]["value"] == "-1"
+    finally:
+        admin.close()
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        producer.send(TOPIC, key=b"k", value=b"hello", timestamp_ms=OLD_TIMESTAMP_MS).get(10)
+    finally:
+        producer.close()
+    [record] = _read(bootstrap, TOPIC, count=1)
+    assert (record.key, record.value, record.timestamp) == (b"k", b"hello", OLD_TIMESTAMP_MS)
+
+    # Starting again finds the running broker instead of launching another.
+    started = time.monotonic()
+    assert start(config) == bootstrap
+    assert time.monotonic() - started < min(5.0, startup_s)
+    info = status(config)
+    assert info["running"] is True
+    assert info["pid"] == pid
+    assert info["bootstrap"] == bootstrap
+    assert info["data_dir"] == str(config.data_dir)
+    assert Path(info["log_file"]).is_file()
+
+    assert stop(config) is True
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", config.port), timeout=2).close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not config.pid_file.exists()
+    assert status(config)["running"] is False
+    assert status(config)["pid"] is None
+    assert stop(config) is False
+
+    # A restart reuses the formatted storage: the data survives.
+    assert start(config, timeout_s=45) == bootstrap
+    assert status(config)["pid"] != pid
+    [record] = _read(bootstrap, TOPIC, count=1)
+    assert record.value == b"hello"
+    assert stop(config) is True
+
+
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound-only"])
+@pytest.mark.parametrize("which", ["port", "controller_port"])
+def test_start_fails_clearly_when_port_taken(
+    config: BrokerConfig, which: str, listen: bool
+) -> None:
+    port = getattr(config, which)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.bind(("127.0.0.1", port))
+        if listen:
+            blocker.listen(1)
+        with pytest.raises(RuntimeError, match=rf"Port {port} .*already in use.*--port N"):
+            start(config, timeout_s=10)
+    assert status(config)["running"] is False
+    assert not config.pid_file.exists()
