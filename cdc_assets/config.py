@@ -147,14 +147,15 @@ def parse_tables(raw: dict, *, source: str = "tables config") -> list[TableSpec]
                 setting = ".".join(str(part) for part in err["loc"]) or "(entry)"
                 message = err["msg"].removeprefix("Value error, ")
                 problems.append(f"{source}: table '{label}', setting '{setting}': {message}")
-    for kind, attr in (("name", "name"), ("topic", "topic")):
-        seen: dict[str, int] = {}
-        for spec in specs:
-            seen[getattr(spec, attr)] = seen.get(getattr(spec, attr), 0) + 1
+    # Uniqueness over the raw entries, so a duplicate is reported even next to other errors.
+    entries = [entry for entry in raw["tables"] if isinstance(entry, dict)]
+    for setting in ("name", "topic"):
+        values = [entry.get(setting) for entry in entries if entry.get(setting) is not None]
         problems += [
-            f"{source}: {kind} '{value}' is used by {count} tables; each must be unique"
-            for value, count in seen.items()
-            if count > 1
+            f"{source}: {setting} '{value}' is used by {values.count(value)} tables; "
+            "each must be unique"
+            for value in sorted(set(values), key=str)
+            if values.count(value) > 1
         ]
     if problems:
         raise TableConfigError("\n".join(problems))

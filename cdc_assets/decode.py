@@ -52,15 +52,35 @@ def _present(variant: Column, path: str) -> Column:
     return value.isNotNull() & ~F.is_variant_null(value)
 
 
+# JSON kinds each declared type accepts (names as `schema_of_variant` reports them). Strict on
+# purpose: "yes" is not a boolean and "42" is not a bigint, even though Spark's casts allow it.
+_INTEGRAL = r"BIGINT|INT|SMALLINT|TINYINT|DECIMAL\(\d+,0\)"
+_NUMERIC = _INTEGRAL + r"|DOUBLE|FLOAT|DECIMAL\(\d+,\d+\)"
+_ACCEPTED_KINDS = {
+    "bigint": _INTEGRAL,
+    "int": _INTEGRAL,
+    "double": _NUMERIC,
+    "float": _NUMERIC,
+    "boolean": "BOOLEAN",
+    "string": "STRING",
+    "timestamp": _INTEGRAL + "|STRING",
+    "date": _INTEGRAL + "|STRING",
+}
+_DECIMAL_KINDS = _NUMERIC + "|STRING"
+
+
 def _typed(raw: Column, spark_type: str) -> Column:
     """Converts one variant value to the declared type; null when it doesn't convert."""
+    kinds = _ACCEPTED_KINDS.get(spark_type, _DECIMAL_KINDS)
     if spark_type == "timestamp":
-        return F.coalesce(
+        value = F.coalesce(
             F.timestamp_micros(_get(raw, "$", "bigint")), _get(raw, "$", "timestamp")
         )
-    if spark_type == "date":
-        return F.coalesce(F.date_from_unix_date(_get(raw, "$", "int")), _get(raw, "$", "date"))
-    return _get(raw, "$", spark_type)
+    elif spark_type == "date":
+        value = F.coalesce(F.date_from_unix_date(_get(raw, "$", "int")), _get(raw, "$", "date"))
+    else:
+        value = _get(raw, "$", spark_type)
+    return F.when(F.schema_of_variant(raw).rlike(f"^({kinds})$"), value)
 
 
 def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:

@@ -18,6 +18,8 @@ TABLES_FILE_ENV = "CDC_TABLES_FILE"
 def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
     return dg.Definitions(
         assets=[build_table_asset(spec=spec) for spec in specs],
+        # One process and one Spark session for all the assets of a run.
+        executor=dg.in_process_executor,
         resources={
             "kafka": KafkaResource(
                 bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS"),

@@ -26,7 +26,9 @@ def table_pool(spec: TableSpec) -> str:
 
 
 def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:
-    return dg.HourlyPartitionsDefinition(start_date=spec.start_hour, timezone="UTC")
+    # end_offset=1: the current, still open hour exists as a partition so that a person can
+    # force it (force_open_hour); run without forcing, it is refused with the reason.
+    return dg.HourlyPartitionsDefinition(start_date=spec.start_hour, timezone="UTC", end_offset=1)
 
 
 def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.MetadataValue]:

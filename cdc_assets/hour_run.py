@@ -97,7 +97,7 @@ def run_hour(
     """Materializes one hour of `spec` into its Delta mirror and returns what happened."""
     now = now or datetime.now(UTC)
     path = lake.table_path(spec.name)
-    history = hour_history(spark, path)
+    last_version, history = hour_history(spark, path)
     consumer = kafka.consumer()
     try:
         hour_slice = compute_slice(
@@ -154,27 +154,23 @@ def run_hour(
                 hour_key=hour_key,
                 ingested_at=ingested_at,
             )
-        latest = latest_per_key(good, spec).persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            n_good = totals["consumed"] - totals["tombstones"] - totals["errors"]
-            n_latest = latest.count()
-            commit = {
-                "hour": hour_key,
-                "slice": hour_slice.as_dict(),
-                "partial": not hour_slice.closed,
-                "consumed": totals["consumed"],
-                "tombstones": totals["tombstones"],
-                "errors": totals["errors"],
-                "superseded": n_good - n_latest,
-                "pipeline": "cdc-lake",
-            }
-            with commit_metadata(spark, commit):
-                outcome = merge_changes(spark, spec, path, latest, ingested_at=ingested_at)
-        finally:
-            latest.unpersist()
+        commit = {
+            "hour": hour_key,
+            "slice": hour_slice.as_dict(),
+            "partial": not hour_slice.closed,
+            "consumed": totals["consumed"],
+            "tombstones": totals["tombstones"],
+            "errors": totals["errors"],
+            "pipeline": "cdc-lake",
+        }
+        with commit_metadata(spark, commit):
+            outcome = merge_changes(
+                spark, spec, path, latest_per_key(good, spec), ingested_at=ingested_at
+            )
     finally:
         decoded.unpersist()
 
+    n_good = totals["consumed"] - totals["tombstones"] - totals["errors"]
     newest = totals["newest"]
     return HourResult(
         table=spec.name,
@@ -183,15 +179,15 @@ def run_hour(
         counts=HourCounts(
             consumed=totals["consumed"],
             applied=outcome.applied,
-            superseded=n_good - n_latest,
-            stale=n_latest - outcome.applied,
+            superseded=n_good - outcome.merged_keys,
+            stale=outcome.merged_keys - outcome.applied,
             tombstones=totals["tombstones"],
             errors=totals["errors"],
         ),
         rows_inserted=outcome.rows_inserted,
         rows_updated=outcome.rows_updated,
         rows_deleted=outcome.rows_deleted,
-        delta_version=outcome.version,
+        delta_version=outcome.version if outcome.version is not None else last_version,
         partial=not hour_slice.closed,
         newest_source_ts=datetime.fromtimestamp(newest / 1000, UTC) if newest else None,
         finished_at=datetime.now(UTC),

@@ -2,8 +2,8 @@
 
 Convergence (I3): a change is applied only when its sequence is greater than the row's, so
 running hours in any order, any number of times, ends in the same table. A delete keeps the key
-and its sequence as a soft-deleted row (`_cdc_deleted = true`, the row's last values kept), so an
-older change replayed later is stale against it and can't resurrect the row. Readers select
+and its sequence as a soft-deleted row (`_cdc_deleted = true`, with the delete's before-image),
+so an older change replayed later is stale against it and can't resurrect the row. Readers select
 `_cdc_deleted = false` (the `live_rows` helper) to see the source table.
 
 Atomicity (I4): the mirror changes in exactly one Delta commit per run, the MERGE, which carries
@@ -56,7 +56,8 @@ ERROR_TABLE_SCHEMA = T.StructType(
 
 @dataclass(frozen=True)
 class MergeOutcome:
-    version: int
+    version: int | None  # None: no commit was needed (every change was stale)
+    merged_keys: int  # the MERGE's source rows: one newest change per key
     applied: int
     rows_inserted: int
     rows_updated: int
@@ -119,26 +120,22 @@ def merge_changes(
             .whenNotMatchedInsert(condition=f"s.`{OP}` <> 'd'", values=everything)
         )
     else:
-        # A delete keeps the row's last values; only the CDC columns move.
-        tombstone = {c: f"s.`{c}`" for c in (*METADATA_COLUMNS, DELETED)}
-        merge = (
-            merge.whenMatchedUpdate(condition=f"{newer} AND s.`{OP}` = 'd'", set=tombstone)
-            .whenMatchedUpdate(condition=newer, set=everything)
-            .whenNotMatchedInsertAll()
-        )
-    before = _version(table)
-    merge.execute()
-    version = _version(table)
-    if version == before:  # nothing to merge: Delta made no commit
-        return MergeOutcome(version, applied=0, rows_inserted=0, rows_updated=0, rows_deleted=0)
-    return _outcome(spark, spec, path, version)
+        # A soft delete stores the delete's before-image (the row as the source last had it),
+        # so the tombstone row is the same whichever order the hours ran in.
+        merge = merge.whenMatchedUpdate(condition=newer, set=everything).whenNotMatchedInsertAll()
+    metrics = merge.execute().first()
+    if not metrics["num_affected_rows"]:
+        # Every change was stale: Delta commits nothing, and the keys are counted here.
+        return MergeOutcome(None, source.count(), 0, 0, 0, 0)
+    commit = table.history(1).select("version", "operationMetrics").first()
+    return _outcome(
+        spark, spec, path, commit["version"], int(commit["operationMetrics"]["numSourceRows"])
+    )
 
 
-def _version(table: DeltaTable) -> int:
-    return table.history(1).select("version").first()["version"]
-
-
-def _outcome(spark: SparkSession, spec: TableSpec, path: str, version: int) -> MergeOutcome:
+def _outcome(
+    spark: SparkSession, spec: TableSpec, path: str, version: int, merged_keys: int
+) -> MergeOutcome:
     """Counts what the commit changed, pairing its change feed's pre- and post-images per key."""
     feed = (
         spark.read.format("delta")
@@ -166,6 +163,7 @@ def _outcome(spark: SparkSession, spec: TableSpec, path: str, version: int) -> M
     ).first()
     return MergeOutcome(
         version=version,
+        merged_keys=merged_keys,
         applied=totals["applied"] or 0,
         rows_inserted=totals["inserted"] or 0,
         rows_updated=totals["updated"] or 0,
@@ -208,23 +206,17 @@ def live_rows(spark: SparkSession, path: str) -> DataFrame:
     return spark.read.format("delta").load(path).where(~F.col(DELETED))
 
 
-def hour_history(spark: SparkSession, path: str) -> list[dict]:
-    """The slice metadata of every commit this pipeline made to the mirror, newest first."""
+def hour_history(spark: SparkSession, path: str) -> tuple[int | None, list[dict]]:
+    """The mirror's current version and its pipeline commits' metadata, newest first."""
     if not DeltaTable.isDeltaTable(spark, path):
-        return []
-    rows = (
-        DeltaTable.forPath(spark, path)
-        .history()
-        .where(F.col("userMetadata").isNotNull())
-        .select("version", "userMetadata")
-        .collect()
-    )
+        return None, []
+    rows = DeltaTable.forPath(spark, path).history().select("version", "userMetadata").collect()
     history = []
     for row in rows:
         try:
-            meta = json.loads(row["userMetadata"])
+            meta = json.loads(row["userMetadata"] or "null")
         except ValueError:
             continue
         if isinstance(meta, dict) and "slice" in meta:
             history.append({"version": row["version"], **meta})
-    return history
+    return max(row["version"] for row in rows), history

@@ -25,7 +25,7 @@ class KafkaResource(dg.ConfigurableResource):
     request_timeout_ms: int = 30_000
 
     def consumer(self) -> KafkaConsumer:
-        """A consumer for metadata and offset lookups only: no group, no commits, committed reads."""
+        """A consumer for offset lookups only: no group, no commits, committed reads."""
         kwargs: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers.split(","),
             "enable_auto_commit": False,

@@ -46,6 +46,13 @@ class SparkResource(dg.ConfigurableResource):
         default=8, description="Default shuffle width; small, since an hour is small."
     )
     ui_enabled: bool = False
+    delta_snapshot_partitions: int = Field(
+        default=4,
+        description=(
+            "Partitions for replaying a Delta log (Delta's default is 50, which makes every "
+            "snapshot of a small table slow); raise it for tables with very long logs."
+        ),
+    )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
 
     _pyspark: LazyPySparkResource | None = PrivateAttr(default=None)
@@ -64,7 +71,7 @@ class SparkResource(dg.ConfigurableResource):
             "spark.ui.showConsoleProgress": "false",
             # Secrets in Kafka options and S3 settings stay out of Spark's logged configuration.
             "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
-            "spark.databricks.delta.properties.defaults.enableChangeDataFeed": "true",
+            "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),
         }
         conf.update(self.extra_conf)
         return conf

@@ -12,13 +12,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from devtools.kafka_broker import BrokerConfig, start, status, stop
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        not any(BrokerConfig().jars_dir.glob("kafka_*.jar")),
-        reason="Kafka broker jars missing: run `mvn -q package` in the repo root",
-    ),
-]
+pytestmark = pytest.mark.integration
 
 TOPIC = "devtools.smoke"
 # Far older than any retention period: the broker must keep it (log.retention.ms=-1).

@@ -1,0 +1,104 @@
+"""Helpers shared by the integration tests: demo topics, Kafka read-back, mirror rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from kafka import KafkaConsumer, TopicPartition
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.config import TableSpec, load_tables
+from cdc_assets.merge import live_rows
+from demo.produce import ProducedRecord, produce
+from demo.source import DemoSource
+
+HOUR_KEY = "%Y-%m-%d-%H:%M"
+# Old enough to be closed, recent enough that every spec's start_hour precedes it.
+FIRST_HOUR = datetime(2026, 11, 2, 6, tzinfo=UTC)
+
+
+def demo_specs(prefix: str) -> list[TableSpec]:
+    """The demo tables of tables.yaml, on topics private to one test."""
+    return [
+        spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"}) for spec in load_tables()
+    ]
+
+
+def hour_keys(first: datetime, count: int) -> list[str]:
+    return [(first + timedelta(hours=n)).strftime(HOUR_KEY) for n in range(count)]
+
+
+def seed_demo(
+    bootstrap: str,
+    specs: list[TableSpec],
+    *,
+    hours: int,
+    changes_per_hour: int,
+    seed: int = 7,
+    partitions: int = 3,
+    first_hour: datetime = FIRST_HOUR,
+) -> tuple[DemoSource, list[ProducedRecord]]:
+    source = DemoSource(specs, seed=seed)
+    records = source.generate(
+        [first_hour + timedelta(hours=n) for n in range(hours)], changes_per_hour
+    )
+    return source, produce(records, bootstrap, partitions=partitions)
+
+
+def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, int]]:
+    """Every committed record of `topic` as (partition, offset, value, timestamp_ms)."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        consumer_timeout_ms=5_000,
+    )
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for batch in consumer.poll(timeout_ms=1_000).values():
+                out += [(m.partition, m.offset, m.value, m.timestamp) for m in batch]
+        return out
+    finally:
+        consumer.close()
+
+
+def mirror_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:
+    """The mirror's live rows as Python values typed like demo.reference's (UTC-aware times)."""
+    frame = live_rows(spark, path)
+    columns = []
+    for name, spark_type in spec.columns.items():
+        col = F.col(name)
+        columns.append(F.unix_micros(col).alias(name) if spark_type == "timestamp" else col)
+    rows = {}
+    for row in frame.select(*columns).collect():
+        values = row.asDict()
+        for name, spark_type in spec.columns.items():
+            if spark_type == "timestamp" and values[name] is not None:
+                values[name] = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(
+                    microseconds=values[name]
+                )
+        rows[tuple(values[k] for k in spec.primary_key)] = values
+    return rows
+
+
+def full_table(spark: SparkSession, path: str) -> list[dict]:
+    """Every row of the mirror, tombstones included, minus the per-run ingestion time."""
+    frame = spark.read.format("delta").load(path).drop("_cdc_ingested_at")
+    return sorted((r.asDict(recursive=True) for r in frame.collect()), key=repr)
+
+
+def diff_rows(actual: dict[tuple, dict], expected: dict[tuple, dict]) -> dict[str, list]:
+    """Keys missing, unexpected, or with different values; all empty when the tables agree."""
+    return {
+        "missing": sorted(set(expected) - set(actual)),
+        "unexpected": sorted(set(actual) - set(expected)),
+        "different": sorted(
+            k for k in set(actual) & set(expected) if actual[k] != expected[k]
+        ),
+    }

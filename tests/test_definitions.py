@@ -1,0 +1,40 @@
+"""The code location loads: `dagster definitions validate` on workspace.yaml, and in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from cdc_assets.definitions import defs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_definitions_validate_on_workspace(tmp_path):
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
+    dagster = Path(sys.executable).with_name("dagster")
+    result = subprocess.run(
+        [str(dagster), "definitions", "validate", "-w", str(REPO / "workspace.yaml")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All code locations passed validation" in result.stdout + result.stderr
+
+
+def test_one_hourly_asset_per_table_with_its_own_pool():
+    definitions = defs() if callable(defs) else defs
+    graph = definitions.resolve_asset_graph()
+    keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
+    assert keys == {"customers", "orders", "order_items"}
+    pools = set()
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert isinstance(node.partitions_def, dg.HourlyPartitionsDefinition)
+        assert node.group_name == "cdc_mirrors"
+        assert {"kafka", "spark", "delta"} <= set(node.kinds)
+        pools.add(definitions.get_assets_def(key).op.pool)
+    assert pools == {"cdc_table_customers", "cdc_table_orders", "cdc_table_order_items"}
