@@ -17,12 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 
-# Spark SQL types a source column may be declared as. Debezium encodings are handled by decode:
-# timestamps arrive as epoch millis/micros/nanos or ISO strings, dates as epoch days or ISO.
-_SIMPLE_TYPES = {"string", "boolean", "int", "bigint", "double", "float", "timestamp", "date"}
+# Spark SQL types a source column may be declared as. A timestamp may name the unit Debezium
+# sends epoch values in: (us) MicroTimestamp, the default; (ms) Timestamp; (ns) NanoTimestamp.
+_TIMESTAMP_UNITS = ("timestamp(us)", "timestamp(ms)", "timestamp(ns)")
+_SIMPLE_TYPES = {
+    "string", "boolean", "int", "bigint", "double", "float", "timestamp", "date", *_TIMESTAMP_UNITS
+}
 _DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
+
+
+def spark_type(declared: str) -> str:
+    """The Spark SQL type of a declared column type (a timestamp's unit is an encoding)."""
+    return "timestamp" if declared.startswith("timestamp") else declared
 
 
 class TableConfigError(ValueError):
@@ -83,6 +91,8 @@ class TableSpec(BaseModel):
     def _name(cls, value: str) -> str:
         if not _IDENT.match(value):
             raise ValueError(f"'{value}' must be an identifier (letters, digits, underscores)")
+        if value.endswith("__errors"):
+            raise ValueError(f"'{value}' ends in '__errors', which names error tables")
         return value
 
     @field_validator("columns")
@@ -91,12 +101,22 @@ class TableSpec(BaseModel):
         if not value:
             raise ValueError("at least one column is required")
         problems = []
-        for column, spark_type in value.items():
-            if not _IDENT.match(column) or column.startswith("_cdc_"):
+        seen: dict[str, str] = {}
+        for column, declared in value.items():
+            if not _IDENT.match(column) or column.lower().startswith("_cdc_"):
                 problems.append(f"column '{column}' must be an identifier not starting with _cdc_")
-            if spark_type not in _SIMPLE_TYPES and not _DECIMAL.match(spark_type):
+            if column.lower() in seen:  # Spark resolves column names case-insensitively
+                problems.append(f"columns '{seen[column.lower()]}' and '{column}' collide")
+            seen[column.lower()] = column
+            decimal = _DECIMAL.match(declared)
+            if decimal and not (1 <= int(decimal[1]) <= 38 and int(decimal[2]) <= int(decimal[1])):
                 problems.append(
-                    f"column '{column}' has type '{spark_type}'; use one of "
+                    f"column '{column}' has type '{declared}'; decimal(p,s) needs 1 <= p <= 38 "
+                    "and 0 <= s <= p"
+                )
+            elif declared not in _SIMPLE_TYPES and not decimal:
+                problems.append(
+                    f"column '{column}' has type '{declared}'; use one of "
                     f"{sorted(_SIMPLE_TYPES)} or decimal(p,s)"
                 )
         if problems:

@@ -3,18 +3,24 @@
 The CDC rules, stated once:
 
 - A record's value is a Debezium envelope, with or without the Kafka Connect `schema`/`payload`
-  wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update) or `d` (delete). The row is
-  `after` for c/r/u and `before` for d; the primary key is read from that row.
+  wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update) or `d` (delete).
+- c/r/u carry the row in `after`, which must hold every declared column (JSON null is a value;
+  an absent column is a schema change). A delete needs only its primary key and sequence: the
+  key comes from `before`, or from the Kafka key when `before` lacks it (Postgres' default
+  replica identity); its other `before` values are kept where they convert, null otherwise.
 - A null value is a Kafka tombstone (log compaction's marker after a delete): counted, skipped.
 - Changes of one key are ordered by the table's sequence (default `source.lsn`), then Kafka
   partition and offset. Offsets alone can't order changes: a topic's partition count may change.
 - A record is an error, kept with its raw bytes and the reason, when: its value is not JSON,
-  `op` is missing or unknown (`t`, truncate, included: it is never silently dropped), a
-  primary-key column or sequence field is missing, or a column's value does not convert to
-  the declared type. Errors never stop the run (I7).
-- Debezium encodings: decimals as strings (decimal.handling.mode=string) or numbers,
-  timestamps as epoch microseconds (MicroTimestamp) or ISO-8601 strings, dates as epoch days
-  or ISO-8601 strings.
+  `op` is missing or unknown (`t`, truncate, included: it is never silently dropped), the
+  primary key or a sequence field is missing, a change lacks a declared column, or a value does
+  not convert to the declared type. Reasons never quote record values. Errors never stop the
+  run (I7).
+- Debezium encodings: decimals as strings (decimal.handling.mode=string) or numbers; timestamps
+  as epoch numbers in the column's unit (`timestamp` and `timestamp(us)`: MicroTimestamp,
+  `timestamp(ms)`: Timestamp, `timestamp(ns)`: NanoTimestamp) or ISO-8601 strings
+  (ZonedTimestamp); dates as epoch days or ISO-8601 strings. `source.ts_ms` outside years
+  1–9999 is treated as unknown rather than failing the run.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from cdc_assets.config import TableSpec
+from cdc_assets.config import TableSpec, spark_type
 
 OPS = ("c", "r", "u", "d")
 
@@ -39,8 +45,8 @@ ERROR = "_cdc_error"
 TOMBSTONE = "_cdc_is_tombstone"
 
 
-def _get(variant: Column, path: str, spark_type: str) -> Column:
-    return F.try_variant_get(variant, path, spark_type)
+def _get(variant: Column, path: str, type_name: str) -> Column:
+    return F.try_variant_get(variant, path, type_name)
 
 
 def _field(name: str) -> str:
@@ -69,18 +75,47 @@ _ACCEPTED_KINDS = {
 _DECIMAL_KINDS = _NUMERIC + "|STRING"
 
 
-def _typed(raw: Column, spark_type: str) -> Column:
-    """Converts one variant value to the declared type; null when it doesn't convert."""
-    kinds = _ACCEPTED_KINDS.get(spark_type, _DECIMAL_KINDS)
-    if spark_type == "timestamp":
-        value = F.coalesce(
-            F.timestamp_micros(_get(raw, "$", "bigint")), _get(raw, "$", "timestamp")
-        )
-    elif spark_type == "date":
-        value = F.coalesce(F.date_from_unix_date(_get(raw, "$", "int")), _get(raw, "$", "date"))
+# Microseconds per unit of an epoch timestamp, by the declared column type.
+_MICROS_PER_UNIT = {"timestamp": 1, "timestamp(us)": 1, "timestamp(ms)": 1000}
+# Epoch values beyond year 9999 are garbage, not timestamps; the bound also keeps the unit
+# conversion from overflowing.
+_MAX_EPOCH_MICROS = 253_402_300_799_999_999
+
+
+def _epoch_micros(value: Column, micros_per_unit: int | None) -> Column:
+    """Epoch micros from an epoch number in the column's unit (None: nanoseconds)."""
+    if micros_per_unit is None:
+        micros = F.floor(value / 1000).cast("bigint")
     else:
-        value = _get(raw, "$", spark_type)
+        bound = _MAX_EPOCH_MICROS // micros_per_unit
+        micros = F.when(value.between(-bound, bound), value * micros_per_unit)
+    return F.when(micros.between(-_MAX_EPOCH_MICROS, _MAX_EPOCH_MICROS), micros)
+
+
+def _typed(raw: Column, declared: str) -> Column:
+    """Converts one variant value to the declared type; null when it doesn't convert."""
+    kinds = _ACCEPTED_KINDS.get(spark_type(declared), _DECIMAL_KINDS)
+    is_string = F.schema_of_variant(raw) == "STRING"
+    if declared.startswith("timestamp"):
+        unit = _MICROS_PER_UNIT.get(declared)  # None for timestamp(ns)
+        value = F.when(is_string, _get(raw, "$", "timestamp")).otherwise(
+            F.timestamp_micros(_epoch_micros(_get(raw, "$", "bigint"), unit))
+        )
+    elif declared == "date":
+        value = F.when(is_string, _get(raw, "$", "date")).otherwise(
+            F.date_from_unix_date(_get(raw, "$", "int"))
+        )
+    else:
+        value = _get(raw, "$", declared)
     return F.when(F.schema_of_variant(raw).rlike(f"^({kinds})$"), value)
+
+
+def _unwrap(document: Column) -> Column:
+    """The payload of a Kafka Connect schema/payload wrapper, or the document itself."""
+    payload = _get(document, "$.payload", "variant")
+    return F.when(payload.isNotNull() & _present(document, "$.schema"), payload).otherwise(
+        document
+    )
 
 
 def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
@@ -90,12 +125,8 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
     `_cdc_error` (null when the change can be applied) and `_cdc_is_tombstone`. The raw
     `key`/`value` bytes and Kafka coordinates stay on the row for the error table.
     """
-    text = F.col("value").cast("string")
-    parsed = F.try_parse_json(text)
-    wrapped = _get(parsed, "$.payload", "variant")
-    envelope = F.when(wrapped.isNotNull() & _present(parsed, "$.schema"), wrapped).otherwise(
-        parsed
-    )
+    parsed = F.try_parse_json(F.col("value").cast("string"))
+    envelope = _unwrap(parsed)
     op = _get(envelope, "$.op", "string")
     row = F.when(op == "d", _get(envelope, "$.before", "variant")).otherwise(
         _get(envelope, "$.after", "variant")
@@ -112,13 +143,19 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
         envelope.alias("_envelope"),
         op.alias(OP),
         row.alias("_row"),
+        _unwrap(F.try_parse_json(F.col("key").cast("string"))).alias("_key"),
     )
 
-    env, data = F.col("_envelope"), F.col("_row")
-    values = {
-        column: _typed(_get(data, _field(column), "variant"), spark_type).cast(spark_type)
-        for column, spark_type in spec.columns.items()
-    }
+    env, data, key = F.col("_envelope"), F.col("_row"), F.col("_key")
+    is_delete = F.col(OP) == "d"
+    values = {}
+    for column, declared in spec.columns.items():
+        value = _typed(_get(data, _field(column), "variant"), declared)
+        if column in spec.primary_key:
+            # A delete's before-image may lack the key (or be null); the Kafka key holds it.
+            from_key = _typed(_get(key, _field(column), "variant"), declared)
+            value = F.when(is_delete, F.coalesce(value, from_key)).otherwise(value)
+        values[column] = value.cast(spark_type(declared))
     sequence_parts = [
         _get(env, f"$.{part.field}", part.type).alias(part.struct_name) for part in spec.sequence
     ]
@@ -126,15 +163,11 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
     reasons = [
         (F.col("_parsed").isNull(), F.lit("value is not valid JSON")),
         (F.col(OP).isNull(), F.lit("envelope has no 'op' field")),
+        (F.col(OP) == "t", F.lit("truncate (op 't') is not applied by this pipeline")),
+        (~F.col(OP).isin(*OPS), F.lit("unknown op")),
         (
-            ~F.col(OP).isin(*OPS),
-            F.concat(F.lit("unknown or unsupported op '"), F.col(OP), F.lit("'")),
-        ),
-        (
-            data.isNull() | F.is_variant_null(data),
-            F.when(F.col(OP) == "d", F.lit("delete without 'before' row")).otherwise(
-                F.lit("change without 'after' row")
-            ),
+            ~is_delete & (data.isNull() | F.is_variant_null(data)),
+            F.lit("change without 'after' row"),
         ),
     ]
     for part in spec.sequence:
@@ -144,15 +177,20 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
                 F.lit(f"sequence field '{part.field}' is missing or not a {part.type}"),
             )
         )
-    for key in spec.primary_key:
+    for column in spec.primary_key:
         reasons.append(
-            (~_present(data, _field(key)), F.lit(f"primary key column '{key}' is missing"))
+            (values[column].isNull(), F.lit(f"primary key column '{column}' is missing or invalid"))
         )
-    for column, spark_type in spec.columns.items():
+    # A delete needs only its key and sequence; a change must carry every declared column.
+    for column, declared in spec.columns.items():
+        raw = _get(data, _field(column), "variant")
+        reasons.append(
+            (~is_delete & raw.isNull(), F.lit(f"column '{column}' is missing from 'after'"))
+        )
         reasons.append(
             (
-                _present(data, _field(column)) & values[column].isNull(),
-                F.lit(f"column '{column}' does not convert to {spark_type}"),
+                ~is_delete & _present(data, _field(column)) & values[column].isNull(),
+                F.lit(f"column '{column}' does not convert to {declared}"),
             )
         )
 
@@ -160,6 +198,7 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
     for condition, reason in reversed(reasons):
         error = F.when(condition, reason).otherwise(error)
     is_tombstone = F.col("value").isNull()
+    source_ts = _epoch_micros(_get(env, "$.source.ts_ms", "bigint"), 1000)
 
     return frame.select(
         "key",
@@ -172,7 +211,7 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
             F.col(KAFKA_PARTITION).alias("kafka_partition"),
             F.col(KAFKA_OFFSET).alias("kafka_offset"),
         ).alias(SEQUENCE),
-        F.timestamp_millis(_get(env, "$.source.ts_ms", "bigint")).alias(SOURCE_TS),
+        F.timestamp_micros(source_ts).alias(SOURCE_TS),
         F.col(KAFKA_PARTITION),
         F.col(KAFKA_OFFSET),
         F.col("_cdc_kafka_timestamp"),

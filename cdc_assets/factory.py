@@ -5,6 +5,7 @@ from pydantic import Field
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, run_hour
+from checks.invariants import accounting_result, invariant_check_specs
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -77,11 +78,16 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
         f"`{spec.error_table_name}`."
     )
 
+    partitions_def = hourly_partitions(spec)
+
     @dg.asset(
         name=spec.name,
         description=description,
         group_name=spec.group,
-        partitions_def=hourly_partitions(spec),
+        partitions_def=partitions_def,
+        check_specs=invariant_check_specs(
+            asset_key=dg.AssetKey(spec.name), partitions_def=partitions_def
+        ),
         kinds={"kafka", "spark", "delta"},
         pool=table_pool(spec),
         metadata={
@@ -90,7 +96,6 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
             "delete_mode": spec.delete_mode,
             "error_table": spec.error_table_name,
         },
-        tags={"cdc/topic": spec.topic.replace(".", "_")},
     )
     def _mirror(
         context: dg.AssetExecutionContext,
@@ -119,7 +124,8 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
                 f"{spec.name} {result.hour_key} was forced while open: the result is partial."
             )
         return dg.MaterializeResult(
-            metadata=result_metadata(result, table_path=lake.table_path(spec.name))
+            metadata=result_metadata(result, table_path=lake.table_path(spec.name)),
+            check_results=[accounting_result(result)],
         )
 
     return _mirror

@@ -16,7 +16,6 @@ from pyspark.sql import functions as F
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import ERROR, SOURCE_TS, TOMBSTONE, decode
 from cdc_assets.merge import (
-    commit_metadata,
     hour_history,
     latest_per_key,
     merge_changes,
@@ -74,14 +73,36 @@ def hour_start(hour_key: str) -> datetime:
 
 
 def known_starts(history: list[dict], hour_key: str) -> dict[int, int]:
-    """Where the hour is known to begin: its own last run's start, else the last hour's end."""
+    """Where the hour begins by the log of earlier runs, per partition.
+
+    The newest recorded end of the hour before wins (consecutive slices must share it); else
+    this hour's own last recorded start; else nothing is known.
+    """
     previous_key = (hour_start(hour_key) - timedelta(hours=1)).strftime(HOUR_KEY_FORMAT)
-    for wanted, edge in ((hour_key, "start"), (previous_key, "end")):
+    for wanted, edge in ((previous_key, "end"), (hour_key, "start")):
         for commit in history:  # newest first
             if commit.get("hour") == wanted:
                 parts = commit["slice"]["partitions"]
                 return {int(p): offsets[edge] for p, offsets in parts.items()}
     return {}
+
+
+class SequenceConfigError(RuntimeError):
+    """Every change of an hour lacks the table's sequence: the config, not the data, is wrong."""
+
+
+def _fail_on_sequence_mismatch(spec: TableSpec, hour_key: str, reasons: dict, totals) -> None:
+    changes = totals["consumed"] - totals["tombstones"]
+    (only_reason, count), *others = reasons.items()
+    if changes and not others and only_reason.startswith("sequence field") and count == changes:
+        fields = ", ".join(f"{part.field} ({part.type})" for part in spec.sequence)
+        raise SequenceConfigError(
+            f"table '{spec.name}', hour {hour_key}: none of the {changes} change events has the "
+            f"configured sequence [{fields}]. Fix the table's 'sequence' setting to name fields "
+            "the connector sends: Postgres [{field: source.lsn, type: bigint}], MySQL "
+            "[{field: source.file, type: string}, {field: source.pos, type: bigint}, "
+            "{field: source.row, type: bigint}]. Nothing was written."
+        )
 
 
 def run_hour(
@@ -147,6 +168,7 @@ def run_hour(
                 .agg(F.count("*").alias("n"))
                 .collect()
             }
+            _fail_on_sequence_mismatch(spec, hour_key, reasons, totals)
             write_errors(
                 spark,
                 lake.table_path(spec.error_table_name),
@@ -163,10 +185,14 @@ def run_hour(
             "errors": totals["errors"],
             "pipeline": "cdc-lake",
         }
-        with commit_metadata(spark, commit):
-            outcome = merge_changes(
-                spark, spec, path, latest_per_key(good, spec), ingested_at=ingested_at
-            )
+        outcome = merge_changes(
+            spark,
+            spec,
+            path,
+            latest_per_key(good, spec),
+            ingested_at=ingested_at,
+            run_metadata=commit,
+        )
     finally:
         decoded.unpersist()
 

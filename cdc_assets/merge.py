@@ -103,9 +103,19 @@ def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
 
 
 def merge_changes(
-    spark: SparkSession, spec: TableSpec, path: str, latest: DataFrame, *, ingested_at
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    latest: DataFrame,
+    *,
+    ingested_at,
+    run_metadata: dict,
 ) -> MergeOutcome:
-    """MERGEs the newest change per key into the mirror with the sequence guard."""
+    """MERGEs the newest change per key into the mirror with the sequence guard.
+
+    The commit carries `run_metadata`. When no change is newer than the mirror, Delta makes no
+    commit; a metadata-only commit then records the run, so every hour's slice is in the log.
+    """
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
     table = ensure_mirror_table(spark, path, source)
@@ -123,10 +133,18 @@ def merge_changes(
         # A soft delete stores the delete's before-image (the row as the source last had it),
         # so the tombstone row is the same whichever order the hours ran in.
         merge = merge.whenMatchedUpdate(condition=newer, set=everything).whenNotMatchedInsertAll()
-    metrics = merge.execute().first()
-    if not metrics["num_affected_rows"]:
-        # Every change was stale: Delta commits nothing, and the keys are counted here.
-        return MergeOutcome(None, source.count(), 0, 0, 0, 0)
+    with commit_metadata(spark, run_metadata):
+        metrics = merge.execute().first()
+        if not metrics["num_affected_rows"]:
+            # Every change was stale (or there was none): Delta committed nothing.
+            # A metadata-only commit, so that this run's slice is on record too. The path is
+            # the lake's own, quoted as an identifier (Spark allows no parameter here).
+            quoted = path.replace("`", "``")
+            spark.sql(
+                f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
+                "('cdc.ledger' = 'each run records its slice in the commit userMetadata')"
+            )
+            return MergeOutcome(None, source.count(), 0, 0, 0, 0)
     commit = table.history(1).select("version", "operationMetrics").first()
     return _outcome(
         spark, spec, path, commit["version"], int(commit["operationMetrics"]["numSourceRows"])

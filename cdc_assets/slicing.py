@@ -10,6 +10,12 @@ every offset belongs to exactly one hour (I1). A message whose producer timestam
 but which was written after a message stamped H+1 belongs to the slice of H+1: slices follow the
 log, never reorder it.
 
+The boundary can still move after an hour ran: when a partition was idle and the hour closed by
+lateness, its end was the partition's end at the time, and a late record stamped inside the
+hour may land there afterwards. So where the previous hour's end is on record (the Delta log
+of the mirror holds every run's slice), the hour starts there instead of at b_p(t0): nothing
+falls between two hours.
+
 An hour is closed (I5) when each partition has moved past it, i.e. holds a message stamped at
 or after t1 within its committed range, or has been idle past the table's allowed lateness.
 An open hour is only sliced when a person forces it; its end offsets are then the current
@@ -114,8 +120,9 @@ def compute_slice(
 ) -> HourSlice:
     """Looks up the hour's offsets per partition and decides whether it has closed.
 
-    `known_starts` holds, per partition, where this hour is known to begin (from an earlier
-    run of it or the end of the previous hour), for exact data-loss reporting.
+    `known_starts` holds, per partition, where this hour begins by earlier runs (the end of
+    the previous hour, or this hour's last start); the slice starts there, and data loss is
+    reported exactly from it.
     """
     hour_end = hour_start + timedelta(hours=1)
     partition_ids = consumer.partitions_for_topic(topic)
@@ -125,23 +132,24 @@ def compute_slice(
             "configured Kafka cluster; check the table's 'topic' setting and the cluster."
         )
     tps = [TopicPartition(topic, p) for p in sorted(partition_ids)]
+    known_starts = known_starts or {}
     log_starts = consumer.beginning_offsets(tps)
-    stable_ends = consumer.end_offsets(tps)  # last stable offsets: read_committed consumer
     at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})
     at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
+    # Last stable offsets (read_committed), fetched last: every offset found above lies below.
+    stable_ends = consumer.end_offsets(tps)
 
     lateness_passed = now >= hour_end + allowed_lateness
     slices, waiting = [], []
     for tp in tps:
         stable_end = stable_ends[tp]
-        start = at_start[tp].offset if at_start[tp] is not None else stable_end
         end = at_end[tp].offset if at_end[tp] is not None else stable_end
-        moved_past = at_end[tp] is not None and end < stable_end
-        if not moved_past and at_end[tp] is not None:
-            # The first message stamped past the hour is not committed yet (open transaction):
-            # what lies before it may still change.
-            end = min(end, stable_end)
-        start = min(start, end)
+        moved_past = at_end[tp] is not None
+        start = known_starts.get(tp.partition)
+        if start is None:
+            start = at_start[tp].offset if at_start[tp] is not None else stable_end
+        # Never read below what retention left; the loss is reported below.
+        start = min(max(start, log_starts[tp]), end)
         if not (moved_past or lateness_passed):
             waiting.append(tp.partition)
         slices.append(
@@ -169,7 +177,7 @@ def compute_slice(
         partitions=tuple(slices),
         closed=open_reason is None,
         open_reason=open_reason,
-        lost=tuple(_lost_ranges(slices, known_starts or {})),
+        lost=tuple(_lost_ranges(slices, known_starts)),
     )
 
 

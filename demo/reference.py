@@ -53,8 +53,13 @@ class _Malformed(Exception):
     """A record that is not a valid change; the message is the reason."""
 
 
-def replay(spec: TableSpec, records: Iterable[tuple[int, int, bytes | None]]) -> dict[tuple, Row]:
-    """The table's live rows after applying `records` (partition, offset, value).
+Record = tuple[int, int, bytes | None] | tuple[int, int, bytes | None, bytes | None]
+
+
+def replay(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, Row]:
+    """The table's live rows after applying `records` (partition, offset, value[, key]).
+
+    The Kafka key, when given, supplies a delete's primary key if its `before` lacks it.
 
     Returns:
         Rows by primary-key tuple (values in `spec.primary_key` order).
@@ -63,7 +68,7 @@ def replay(spec: TableSpec, records: Iterable[tuple[int, int, bytes | None]]) ->
 
 
 def replay_with_errors(
-    spec: TableSpec, records: Iterable[tuple[int, int, bytes | None]]
+    spec: TableSpec, records: Iterable[Record]
 ) -> tuple[dict[tuple, Row], list[ReplayError]]:
     """Like `replay`, also returning the rejected records as (partition, offset, reason).
 
@@ -73,11 +78,11 @@ def replay_with_errors(
     # key -> (position of the last applied change, row or None when deleted)
     latest: dict[tuple, tuple[tuple, Row | None]] = {}
     errors: list[ReplayError] = []
-    for partition, offset, value in records:
+    for partition, offset, value, *kafka_key in records:
         if value is None:
             continue  # tombstone: log compaction's marker, the delete event came before it
         try:
-            op, sequence, row = _parse(spec, value)
+            op, sequence, row = _parse(spec, value, kafka_key[0] if kafka_key else None)
         except _Malformed as exc:
             errors.append((partition, offset, str(exc)))
             continue
@@ -91,7 +96,34 @@ def replay_with_errors(
     return live, errors
 
 
-def _parse(spec: TableSpec, value: bytes) -> tuple[str, tuple, Row]:
+def _parse(spec: TableSpec, value: bytes, kafka_key: bytes | None) -> tuple[str, tuple, Row]:
+    document, logical_types = _document(value)
+    op = document.get("op")
+    if op is None:
+        raise _Malformed("missing op")
+    if op not in KNOWN_OPS:
+        raise _Malformed(f"unknown op {_short(op)}")
+    sequence = tuple(_sequence_value(document, field.field, field.type) for field in spec.sequence)
+    if op == "d":
+        return op, sequence, _delete_row(spec, document.get("before"), kafka_key, logical_types)
+    raw = document.get("after")
+    if not isinstance(raw, dict):
+        raise _Malformed(f"missing row: op '{op}' needs an object in 'after'")
+    missing = [col for col in spec.primary_key if raw.get(col) is None]
+    if missing:
+        raise _Malformed(f"missing primary key: {missing} absent or null in 'after'")
+    absent = [col for col in spec.columns if col not in raw]
+    if absent:
+        raise _Malformed(f"missing column: {absent} absent from 'after'")
+    row = {
+        col: _convert(col, spark_type, raw.get(col), logical_types.get(col))
+        for col, spark_type in spec.columns.items()
+    }
+    return op, sequence, row
+
+
+def _document(value: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+    """The envelope (unwrapped from schema/payload) and the columns' logical type names."""
     try:
         document = json.loads(value.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -104,24 +136,35 @@ def _parse(spec: TableSpec, value: bytes) -> tuple[str, tuple, Row]:
         document = document["payload"]
         if not isinstance(document, dict):
             raise _Malformed("invalid json: the payload is not an object")
-    op = document.get("op")
-    if op is None:
-        raise _Malformed("missing op")
-    if op not in KNOWN_OPS:
-        raise _Malformed(f"unknown op {_short(op)}")
-    sequence = tuple(_sequence_value(document, field.field, field.type) for field in spec.sequence)
-    image = "before" if op == "d" else "after"
-    raw = document.get(image)
-    if not isinstance(raw, dict):
-        raise _Malformed(f"missing row: op '{op}' needs an object in '{image}'")
-    missing = [col for col in spec.primary_key if raw.get(col) is None]
+    return document, logical_types
+
+
+def _delete_row(
+    spec: TableSpec, before: Any, kafka_key: bytes | None, logical_types: dict[str, str]
+) -> Row:
+    """A delete needs only its key: from `before`, else from the Kafka key."""
+    before = before if isinstance(before, dict) else {}
+    key_doc: dict[str, Any] = {}
+    if kafka_key is not None:
+        try:
+            key_doc, _ = _document(kafka_key)
+        except _Malformed:
+            key_doc = {}
+    row = {}
+    for col, spark_type in spec.columns.items():
+        try:
+            row[col] = _convert(col, spark_type, before.get(col), logical_types.get(col))
+        except _Malformed:
+            row[col] = None
+        if col in spec.primary_key and row[col] is None:
+            try:
+                row[col] = _convert(col, spark_type, key_doc.get(col), None)
+            except _Malformed:
+                row[col] = None
+    missing = [col for col in spec.primary_key if row[col] is None]
     if missing:
-        raise _Malformed(f"missing primary key: {missing} absent or null in '{image}'")
-    row = {
-        col: _convert(col, spark_type, raw.get(col), logical_types.get(col))
-        for col, spark_type in spec.columns.items()
-    }
-    return op, sequence, row
+        raise _Malformed(f"missing primary key: {missing} absent from 'before' and the key")
+    return row
 
 
 def _reject_constant(name: str) -> Any:
@@ -191,12 +234,21 @@ def _to_bool(value: Any, _type: str, _logical: str | None) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def _to_timestamp(value: Any, _type: str, logical: str | None) -> datetime | None:
+_DECLARED_UNITS = {
+    "timestamp(ms)": "io.debezium.time.Timestamp",
+    "timestamp(us)": "io.debezium.time.MicroTimestamp",
+    "timestamp(ns)": "io.debezium.time.NanoTimestamp",
+}
+
+
+def _to_timestamp(value: Any, declared: str, logical: str | None) -> datetime | None:
     if isinstance(value, str):
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
         return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     if not _is_int(value):
         return None
+    # A unit declared in the table config wins over the wrapper's logical type name.
+    logical = _DECLARED_UNITS.get(declared, logical)
     unit = _TIMESTAMP_UNITS.get(logical or "io.debezium.time.MicroTimestamp", 1)
     micros = value // 1000 if unit is None else value * unit
     return _EPOCH + timedelta(microseconds=micros)
@@ -236,5 +288,8 @@ _CONVERTERS = {
     "string": _to_str,
     "boolean": _to_bool,
     "timestamp": _to_timestamp,
+    "timestamp(ms)": _to_timestamp,
+    "timestamp(us)": _to_timestamp,
+    "timestamp(ns)": _to_timestamp,
     "date": _to_date,
 }

@@ -6,7 +6,17 @@ from typing import Any
 
 import dagster as dg
 from kafka import KafkaConsumer
-from pydantic import Field
+from pydantic import Field, field_validator
+
+_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+
+
+def _jaas_quote(value: str | None) -> str:
+    return '"' + (value or "").replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 class KafkaResource(dg.ConfigurableResource):
@@ -17,12 +27,34 @@ class KafkaResource(dg.ConfigurableResource):
     """
 
     bootstrap_servers: str = Field(description="Comma-separated host:port list.")
-    security_protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
+    security_protocol: str = Field(
+        default="PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."
+    )
+    sasl_mechanism: str | None = Field(
+        default=None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512."
+    )
     sasl_username: str | None = None
     sasl_password: str | None = None
     ssl_cafile: str | None = Field(default=None, description="PEM file with the CA to trust.")
     request_timeout_ms: int = 30_000
+
+    @field_validator("security_protocol")
+    @classmethod
+    def _protocol(cls, value: str) -> str:
+        allowed = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+        if value not in allowed:
+            raise ValueError(f"kafka resource: security_protocol '{value}' is not one of {allowed}")
+        return value
+
+    @field_validator("sasl_mechanism")
+    @classmethod
+    def _mechanism(cls, value: str | None) -> str | None:
+        if value is not None and value not in _LOGIN_MODULES:
+            raise ValueError(
+                f"kafka resource: sasl_mechanism '{value}' is not supported; use one of "
+                f"{sorted(_LOGIN_MODULES)}"
+            )
+        return value
 
     def consumer(self) -> KafkaConsumer:
         """A consumer for offset lookups only: no group, no commits, committed reads."""
@@ -53,15 +85,11 @@ class KafkaResource(dg.ConfigurableResource):
             "kafka.request.timeout.ms": str(self.request_timeout_ms),
         }
         if self.sasl_mechanism:
-            module = (
-                "org.apache.kafka.common.security.plain.PlainLoginModule"
-                if self.sasl_mechanism == "PLAIN"
-                else "org.apache.kafka.common.security.scram.ScramLoginModule"
-            )
             options["kafka.sasl.mechanism"] = self.sasl_mechanism
             options["kafka.sasl.jaas.config"] = (
-                f'{module} required username="{self.sasl_username}" '
-                f'password="{self.sasl_password}";'
+                f"{_LOGIN_MODULES[self.sasl_mechanism]} required "
+                f"username={_jaas_quote(self.sasl_username)} "
+                f"password={_jaas_quote(self.sasl_password)};"
             )
         if self.ssl_cafile:
             options["kafka.ssl.truststore.type"] = "PEM"

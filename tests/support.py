@@ -8,7 +8,7 @@ from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.config import TableSpec, load_tables
+from cdc_assets.config import TableSpec, load_tables, spark_type
 from cdc_assets.merge import live_rows
 from demo.produce import ProducedRecord, produce
 from demo.source import DemoSource
@@ -20,9 +20,7 @@ FIRST_HOUR = datetime(2026, 11, 2, 6, tzinfo=UTC)
 
 def demo_specs(prefix: str) -> list[TableSpec]:
     """The demo tables of tables.yaml, on topics private to one test."""
-    return [
-        spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"}) for spec in load_tables()
-    ]
+    return [spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"}) for spec in load_tables()]
 
 
 def hour_keys(first: datetime, count: int) -> list[str]:
@@ -72,19 +70,23 @@ def mirror_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, 
     """The mirror's live rows as Python values typed like demo.reference's (UTC-aware times)."""
     frame = live_rows(spark, path)
     columns = []
-    for name, spark_type in spec.columns.items():
+    for name, declared in spec.columns.items():
         col = F.col(name)
-        columns.append(F.unix_micros(col).alias(name) if spark_type == "timestamp" else col)
+        columns.append(F.unix_micros(col).alias(name) if _is_timestamp(declared) else col)
     rows = {}
     for row in frame.select(*columns).collect():
         values = row.asDict()
-        for name, spark_type in spec.columns.items():
-            if spark_type == "timestamp" and values[name] is not None:
+        for name, declared in spec.columns.items():
+            if _is_timestamp(declared) and values[name] is not None:
                 values[name] = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(
                     microseconds=values[name]
                 )
         rows[tuple(values[k] for k in spec.primary_key)] = values
     return rows
+
+
+def _is_timestamp(declared: str) -> bool:
+    return spark_type(declared) == "timestamp"
 
 
 def full_table(spark: SparkSession, path: str) -> list[dict]:
@@ -98,7 +100,5 @@ def diff_rows(actual: dict[tuple, dict], expected: dict[tuple, dict]) -> dict[st
     return {
         "missing": sorted(set(expected) - set(actual)),
         "unexpected": sorted(set(actual) - set(expected)),
-        "different": sorted(
-            k for k in set(actual) & set(expected) if actual[k] != expected[k]
-        ),
+        "different": sorted(k for k in set(actual) & set(expected) if actual[k] != expected[k]),
     }

@@ -19,7 +19,11 @@ def test_definitions_validate_on_workspace(tmp_path):
     dagster = Path(sys.executable).with_name("dagster")
     result = subprocess.run(
         [str(dagster), "definitions", "validate", "-w", str(REPO / "workspace.yaml")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All code locations passed validation" in result.stdout + result.stderr

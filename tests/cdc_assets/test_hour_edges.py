@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -11,7 +12,7 @@ from kafka import KafkaAdminClient, TopicPartition
 
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
-from cdc_assets.hour_run import run_hour
+from cdc_assets.hour_run import SequenceConfigError, run_hour
 from cdc_assets.slicing import DataLossError, OpenHourError
 from demo.reference import replay_with_errors
 from tests.support import diff_rows, mirror_rows, read_topic
@@ -59,12 +60,20 @@ def test_an_open_hour_is_refused_until_forced(create_topic, send, kafka, spark, 
 
     with pytest.raises(OpenHourError, match="ends at .* after now"):
         run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY,
+            spark=spark,
+            kafka=kafka,
+            lake=lake,
+            spec=spec,
+            hour_key=KEY,
             now=hour_end - timedelta(minutes=1),
         )
     with pytest.raises(OpenHourError) as refused:
         run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY,
+            spark=spark,
+            kafka=kafka,
+            lake=lake,
+            spec=spec,
+            hour_key=KEY,
             now=hour_end + timedelta(minutes=5),
         )
     message = str(refused.value)
@@ -72,8 +81,13 @@ def test_an_open_hour_is_refused_until_forced(create_topic, send, kafka, spark, 
     assert "force_open_hour: true" in message
 
     forced = run_hour(
-        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY,
-        now=hour_end + timedelta(minutes=5), force_open_hour=True,
+        spark=spark,
+        kafka=kafka,
+        lake=lake,
+        spec=spec,
+        hour_key=KEY,
+        now=hour_end + timedelta(minutes=5),
+        force_open_hour=True,
     )
     assert forced.partial and forced.counts.applied == 2
 
@@ -81,7 +95,11 @@ def test_an_open_hour_is_refused_until_forced(create_topic, send, kafka, spark, 
     send(topic, b'{"id":4}', _change("c", 4, 13), _ms(HOUR) + 5_000, partition=0)
     send(topic, b'{"id":5}', _change("c", 5, 14), _ms(HOUR) + 3_602_000, partition=0)
     completed = run_hour(
-        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY,
+        spark=spark,
+        kafka=kafka,
+        lake=lake,
+        spec=spec,
+        hour_key=KEY,
         now=hour_end + timedelta(minutes=5),
     )
     assert not completed.partial and completed.slice.closed
@@ -176,8 +194,10 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
         (b'{"id":3}', _change("x", 3, 21)),
         (b'{"id":3}', _change("t", 3, 22)),
         (b'{"id":3}', _change("c", 3, 23, balance="lots")),
-        (b'{"id":3}', json.dumps({"op": "c", "after": {"name": "no key"},
-                                  "source": {"lsn": 24}}).encode()),
+        (
+            b'{"id":3}',
+            json.dumps({"op": "c", "after": {"name": "no key"}, "source": {"lsn": 24}}).encode(),
+        ),
         (b'{"id":3}', json.dumps({"op": "c", "after": {"id": 3}, "source": {}}).encode()),
         (b'{"id":3}', _change("c", 3, 25, balance="123456789.00")),  # overflows decimal(10,2)
     ]
@@ -191,7 +211,8 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
     assert counts.balanced and counts.applied == 2 and counts.superseded == 2
     assert sum(result.error_reasons.values()) == len(bad)
     assert "value is not valid JSON" in result.error_reasons
-    assert "unknown or unsupported op 't'" in result.error_reasons
+    assert "truncate (op 't') is not applied by this pipeline" in result.error_reasons
+    assert "unknown op" in result.error_reasons  # the raw op value is never quoted
 
     errors = spark.read.format("delta").load(lake.table_path(spec.error_table_name)).collect()
     records = read_topic(broker, topic)
@@ -203,10 +224,175 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
     expected, expected_errors = replay_with_errors(spec, [(p, o, v) for p, o, v, _ in records])
     assert len(expected_errors) == len(bad)
     assert diff_rows(mirror_rows(spark, lake.table_path(spec.name), spec), expected) == {
-        "missing": [], "unexpected": [], "different": []
+        "missing": [],
+        "unexpected": [],
+        "different": [],
     }
 
     # Running the hour again adds no error twice.
     run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
     again = spark.read.format("delta").load(lake.table_path(spec.error_table_name)).count()
     assert again == len(bad)
+
+
+def _envelope(op: str, lsn, before=None, after=None, ts_ms: int = 0) -> bytes:
+    return json.dumps(
+        {"op": op, "before": before, "after": after, "source": {"lsn": lsn, "ts_ms": ts_ms}}
+    ).encode()
+
+
+def test_deletes_need_only_their_key(create_topic, send, broker, kafka, spark, lake):
+    """Key-only before-images (Postgres' default replica identity), a null before-image with
+    the key in the Kafka key, and a before-image with a bad non-key value all delete the row."""
+    topic = create_topic("key-only-deletes", partitions=1)
+    spec = _spec(topic)
+    t = _ms(HOUR)
+    for n in (1, 2, 3, 4):
+        send(topic, b'{"id":%d}' % n, _change("c", n, n), t + n)
+    send(
+        topic,
+        b'{"id":1}',
+        _envelope("d", 11, before={"id": 1, "name": None, "balance": None}),
+        t + 11,
+    )
+    send(topic, b'{"schema":{},"payload":{"id":2}}', _envelope("d", 12, before=None), t + 12)
+    send(topic, b'{"id":3}', _envelope("d", 13, before={"id": 3, "balance": "lots"}), t + 13)
+    send(topic, None, _envelope("d", 14, before={"name": "no key anywhere"}), t + 14)
+
+    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    assert result.counts.errors == 1 and result.rows_deleted == 3
+    assert list(result.error_reasons) == ["primary key column 'id' is missing or invalid"]
+    records = [
+        (p, o, v, k)
+        for (p, o, v, _), k in zip(read_topic(broker, topic), _keys(broker, topic), strict=True)
+    ]
+    expected = replay_with_errors(spec, records)[0]
+    assert sorted(expected) == [(4,)]
+    assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+    tombstones = spark.read.format("delta").load(lake.table_path(spec.name)).where("_cdc_deleted")
+    assert sorted(r.id for r in tombstones.collect()) == [1, 2, 3]
+
+
+def _keys(broker: str, topic: str) -> list[bytes | None]:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(bootstrap_servers=broker, consumer_timeout_ms=3_000)
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    keys = [m.key for m in consumer]
+    consumer.close()
+    return keys
+
+
+def test_timestamps_in_each_unit_and_bad_source_times(
+    create_topic, send, broker, kafka, spark, lake
+):
+    topic = create_topic("timestamp-units", partitions=1)
+    spec = TableSpec(
+        name="events",
+        topic=topic,
+        primary_key=("id",),
+        columns={
+            "id": "bigint",
+            "at_us": "timestamp",
+            "at_ms": "timestamp(ms)",
+            "at_ns": "timestamp(ns)",
+            "at_iso": "timestamp",
+            "day": "date",
+        },
+        start_hour="2026-11-01-00:00",
+    )
+    row = {
+        "id": 1,
+        "at_us": 1_793_491_657_373_712,
+        "at_ms": 1_793_491_657_373,
+        "at_ns": 1_793_491_657_373_712_123,
+        "at_iso": "2026-11-03T09:15:00Z",
+        "day": 20_395,
+    }
+    t = _ms(HOUR)
+    send(topic, b"{}", _envelope("c", 1, after=row, ts_ms=10**18), t)  # absurd source time
+    send(topic, b"{}", _envelope("c", 2, after={**row, "id": 2, "at_ms": 10**18}), t + 1)
+    send(topic, b"{}", _envelope("c", 3, after={"id": 3, "at_us": None}), t + 2)  # columns gone
+
+    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    assert result.counts.applied == 1 and result.counts.errors == 2
+    assert set(result.error_reasons) == {
+        "column 'at_ms' does not convert to timestamp(ms)",
+        "column 'at_ms' is missing from 'after'",
+    }
+    expected, errors = replay_with_errors(
+        spec, [(p, o, v) for p, o, v, _ in read_topic(broker, topic)]
+    )
+    assert len(errors) == 2
+    actual = mirror_rows(spark, lake.table_path(spec.name), spec)
+    assert actual == expected
+    assert actual[(1,)]["at_ms"] == actual[(1,)]["at_us"].replace(microsecond=373_000)
+
+
+def test_hard_deletes_remove_rows(create_topic, send, broker, kafka, spark, lake):
+    topic = create_topic("hard-deletes", partitions=2)
+    spec = _spec(topic, delete_mode="hard")
+    t = _ms(HOUR)
+    send(topic, b'{"id":1}', _change("c", 1, 1), t, partition=0)
+    send(topic, b'{"id":2}', _change("c", 2, 2), t + 1, partition=1)
+    send(topic, b'{"id":3}', _change("d", 3, 3), t + 2, partition=1)  # never existed
+    run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    nxt = HOUR + timedelta(hours=1)
+    send(topic, b'{"id":1}', _change("d", 1, 4), _ms(nxt), partition=0)
+    result = run_hour(
+        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=nxt.strftime("%Y-%m-%d-%H:%M")
+    )
+    assert result.rows_deleted == 1 and result.counts.applied == 1
+    table = spark.read.format("delta").load(lake.table_path(spec.name))
+    assert [r.id for r in table.collect()] == [2]
+    expected = replay_with_errors(spec, [(p, o, v) for p, o, v, _ in read_topic(broker, topic)])[0]
+    assert sorted(expected) == [(2,)]
+
+
+def test_a_late_record_after_an_idle_close_lands_in_the_next_hour(
+    create_topic, send, kafka, spark, lake
+):
+    """I1 with the slice log: an idle partition closed by lateness ends at its end offset; a
+    record stamped inside that hour arriving later is read by the next hour, not skipped."""
+    topic = create_topic("idle-close", partitions=1)
+    spec = _spec(topic)
+    t = _ms(HOUR)
+    send(topic, b'{"id":1}', _change("c", 1, 1), t + 10)
+    first = run_hour(
+        spark=spark,
+        kafka=kafka,
+        lake=lake,
+        spec=spec,
+        hour_key=KEY,
+        now=HOUR + timedelta(hours=1, minutes=20),
+    )
+    assert first.slice.closed and first.slice.end_offsets() == {0: 1}
+    send(topic, b'{"id":2}', _change("c", 2, 2), t + 20)  # late, stamped inside HOUR
+    nxt = HOUR + timedelta(hours=1)
+    send(topic, b'{"id":3}', _change("c", 3, 3), _ms(nxt) + 5)
+    second = run_hour(
+        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=nxt.strftime("%Y-%m-%d-%H:%M")
+    )
+    assert second.slice.start_offsets() == {0: 1}
+    assert second.counts.applied == 2
+    assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (3,)]
+
+
+def test_a_sequence_the_connector_does_not_send_fails_fast(create_topic, send, kafka, spark, lake):
+    topic = create_topic("mysql-style", partitions=1)
+    spec = _spec(topic)  # expects source.lsn; this "MySQL" connector sends file/pos
+    mysql = json.dumps(
+        {
+            "op": "c",
+            "after": {"id": 1, "name": "a", "balance": "1.00"},
+            "source": {"file": "binlog.000003", "pos": 4711},
+        }
+    ).encode()
+    send(topic, b'{"id":1}', mysql, _ms(HOUR))
+    with pytest.raises(SequenceConfigError, match="'sequence' setting") as failure:
+        run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    assert "'accounts'" in str(failure.value) and "source.file" in str(failure.value)
+    assert not Path(lake.table_path(spec.error_table_name)).exists()
+    assert not Path(lake.table_path(spec.name)).exists()

@@ -26,9 +26,7 @@ def demo(broker, topic_prefix):
     from tests.support import FIRST_HOUR, demo_specs
 
     specs = demo_specs(topic_prefix)
-    source, produced = seed_demo(
-        broker, specs, hours=HOURS, changes_per_hour=CHANGES_PER_HOUR
-    )
+    source, produced = seed_demo(broker, specs, hours=HOURS, changes_per_hour=CHANGES_PER_HOUR)
     return specs, source, produced, hour_keys(FIRST_HOUR, HOURS)
 
 
@@ -43,6 +41,10 @@ def _materialize(specs, keys, *, kafka, spark_resource, lake):
             resources={"kafka": kafka, "spark": spark_resource, "lake": lake},
         )
         assert result.success
+        # The accounting check (I2) ran for every table's hour and passed.
+        checks = result.get_asset_check_evaluations()
+        assert sorted(c.asset_key.path[-1] for c in checks) == sorted(s.name for s in specs)
+        assert all(c.passed for c in checks)
         for event in result.get_asset_materialization_events():
             materialization = event.event_specific_data.materialization
             metadata[(materialization.asset_key.path[-1], key)] = {
@@ -57,9 +59,7 @@ def test_every_demo_table_matches_the_source(demo, broker, kafka, spark, spark_r
 
     for spec in specs:
         records = read_topic(broker, spec.topic)
-        expected, expected_errors = replay_with_errors(
-            spec, [(p, o, v) for p, o, v, _ in records]
-        )
+        expected, expected_errors = replay_with_errors(spec, [(p, o, v) for p, o, v, _ in records])
         assert expected == source.state(spec.name), "reference and source disagree"
         actual = mirror_rows(spark, lake.table_path(spec.name), spec)
         assert diff_rows(actual, expected) == {"missing": [], "unexpected": [], "different": []}
@@ -79,9 +79,7 @@ def test_every_demo_table_matches_the_source(demo, broker, kafka, spark, spark_r
         # I2 per hour, and the hours together consumed exactly the topic.
         per_hour = [metadata[(spec.name, key)] for key in keys]
         for m in per_hour:
-            accounted = (
-                m["applied"] + m["superseded"] + m["stale"] + m["tombstones"] + m["errors"]
-            )
+            accounted = m["applied"] + m["superseded"] + m["stale"] + m["tombstones"] + m["errors"]
             assert m["consumed"] == accounted == m["slice_records"]
         assert sum(m["consumed"] for m in per_hour) == len(records)
         assert sum(m["errors"] for m in per_hour) == len(expected_errors)

@@ -495,7 +495,7 @@ def test_reference_delete_is_not_undone_by_an_older_change() -> None:
         (_event("c", 1, None, {**ITEM, "quantity": 2**31}), "wrong type"),
         (_event("c", 1, None, {**ITEM, "unit_price": "123456789.00"}), "wrong type"),
         (_event("c", 1, None, {**ITEM, "line_no": None}), "missing primary key"),
-        (_event("d", 1, None, None), "missing row"),
+        (_event("d", 1, None, None), "missing primary key"),  # no before-image, no Kafka key
         (json.dumps({"after": ITEM, "op": "c"}).encode(), "missing sequence"),
     ],
 )

@@ -1,0 +1,1 @@
+"""Asset checks: the pipeline's own invariants (and, later, great-expectations suites)."""
