@@ -10,12 +10,12 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 command -v java >/dev/null || { echo "install: java (17+) is not on PATH" >&2; exit 1; }
 command -v mvn >/dev/null || { echo "install: mvn is not on PATH" >&2; exit 1; }
 
-stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "install: Python packages into .venv (pinned in pyproject.toml)"
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev]"
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 
