@@ -21,7 +21,15 @@ DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 # sends epoch values in: (us) MicroTimestamp, the default; (ms) Timestamp; (ns) NanoTimestamp.
 _TIMESTAMP_UNITS = ("timestamp(us)", "timestamp(ms)", "timestamp(ns)")
 _SIMPLE_TYPES = {
-    "string", "boolean", "int", "bigint", "double", "float", "timestamp", "date", *_TIMESTAMP_UNITS
+    "string",
+    "boolean",
+    "int",
+    "bigint",
+    "double",
+    "float",
+    "timestamp",
+    "date",
+    *_TIMESTAMP_UNITS,
 }
 _DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -113,9 +113,7 @@ def _typed(raw: Column, declared: str) -> Column:
 def _unwrap(document: Column) -> Column:
     """The payload of a Kafka Connect schema/payload wrapper, or the document itself."""
     payload = _get(document, "$.payload", "variant")
-    return F.when(payload.isNotNull() & _present(document, "$.schema"), payload).otherwise(
-        document
-    )
+    return F.when(payload.isNotNull() & _present(document, "$.schema"), payload).otherwise(document)
 
 
 def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:

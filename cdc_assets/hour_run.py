@@ -31,7 +31,7 @@ HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
 
 @dataclass(frozen=True)
 class HourCounts:
-    """I2: consumed = applied + superseded + stale + tombstones + errors."""
+    """I2: consumed = applied + superseded + stale + tombstones + errors (checks/invariants)."""
 
     consumed: int
     applied: int
@@ -39,11 +39,6 @@ class HourCounts:
     stale: int
     tombstones: int
     errors: int
-
-    @property
-    def balanced(self) -> bool:
-        accounted = self.applied + self.superseded + self.stale + self.tombstones + self.errors
-        return self.consumed == accounted
 
 
 @dataclass(frozen=True)
@@ -219,5 +214,3 @@ def run_hour(
         finished_at=datetime.now(UTC),
         error_reasons=reasons,
     )
-
-

@@ -205,15 +205,14 @@ def write_errors(
         F.lit(ingested_at).cast("timestamp").alias("ingested_at"),
     )
     table = (
-        DeltaTable.createIfNotExists(spark)
-        .location(path)
-        .addColumns(ERROR_TABLE_SCHEMA)
-        .execute()
+        DeltaTable.createIfNotExists(spark).location(path).addColumns(ERROR_TABLE_SCHEMA).execute()
     )
     (
         table.alias("t")
-        .merge(rows.alias("s"), "t.topic = s.topic AND t.partition = s.partition "
-               "AND t.offset = s.offset")
+        .merge(
+            rows.alias("s"),
+            "t.topic = s.topic AND t.partition = s.partition AND t.offset = s.offset",
+        )
         .whenNotMatchedInsertAll()
         .execute()
     )

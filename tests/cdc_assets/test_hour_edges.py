@@ -8,19 +8,33 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from kafka import KafkaAdminClient, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import SequenceConfigError, run_hour
 from cdc_assets.slicing import DataLossError, OpenHourError
+from checks.invariants import accounting_result
 from demo.reference import replay_with_errors
+from resources.lake import LakeResource
 from tests.support import diff_rows, mirror_rows, read_topic
 
 pytestmark = pytest.mark.integration
 
 HOUR = datetime(2026, 11, 3, 9, tzinfo=UTC)
 KEY = HOUR.strftime("%Y-%m-%d-%H:%M")
+
+
+@pytest.fixture
+def run(spark, kafka):
+    """run(spec, lake, hour_key=KEY, **options): one hour through `run_hour`."""
+
+    def _run(spec: TableSpec, lake, hour_key: str = KEY, **options):
+        return run_hour(
+            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=hour_key, **options
+        )
+
+    return _run
 
 
 def _spec(topic: str, **overrides) -> TableSpec:
@@ -49,7 +63,7 @@ def _ms(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def test_an_open_hour_is_refused_until_forced(create_topic, send, kafka, spark, lake):
+def test_an_open_hour_is_refused_until_forced(run, create_topic, send, kafka, spark, lake):
     topic = create_topic("open-hour", partitions=2)
     spec = _spec(topic)
     send(topic, b'{"id":1}', _change("c", 1, 10), _ms(HOUR) + 1_000, partition=0)
@@ -59,49 +73,20 @@ def test_an_open_hour_is_refused_until_forced(create_topic, send, kafka, spark, 
     hour_end = HOUR + timedelta(hours=1)
 
     with pytest.raises(OpenHourError, match="ends at .* after now"):
-        run_hour(
-            spark=spark,
-            kafka=kafka,
-            lake=lake,
-            spec=spec,
-            hour_key=KEY,
-            now=hour_end - timedelta(minutes=1),
-        )
+        run(spec, lake, now=hour_end - timedelta(minutes=1))
     with pytest.raises(OpenHourError) as refused:
-        run_hour(
-            spark=spark,
-            kafka=kafka,
-            lake=lake,
-            spec=spec,
-            hour_key=KEY,
-            now=hour_end + timedelta(minutes=5),
-        )
+        run(spec, lake, now=hour_end + timedelta(minutes=5))
     message = str(refused.value)
     assert "'accounts'" in message and KEY in message and "partitions [0]" in message
     assert "force_open_hour: true" in message
 
-    forced = run_hour(
-        spark=spark,
-        kafka=kafka,
-        lake=lake,
-        spec=spec,
-        hour_key=KEY,
-        now=hour_end + timedelta(minutes=5),
-        force_open_hour=True,
-    )
+    forced = run(spec, lake, now=hour_end + timedelta(minutes=5), force_open_hour=True)
     assert forced.partial and forced.counts.applied == 2
 
     # A late record stamped inside the hour lands before partition 0 moves past it.
     send(topic, b'{"id":4}', _change("c", 4, 13), _ms(HOUR) + 5_000, partition=0)
     send(topic, b'{"id":5}', _change("c", 5, 14), _ms(HOUR) + 3_602_000, partition=0)
-    completed = run_hour(
-        spark=spark,
-        kafka=kafka,
-        lake=lake,
-        spec=spec,
-        hour_key=KEY,
-        now=hour_end + timedelta(minutes=5),
-    )
+    completed = run(spec, lake, now=hour_end + timedelta(minutes=5))
     assert not completed.partial and completed.slice.closed
     assert completed.counts.applied == 1 and completed.counts.stale == 2
     assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (4,)]
@@ -138,10 +123,8 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
 
 
 def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
-    create_topic, send, broker, kafka, spark, lake, tmp_path
+    run, create_topic, send, broker, kafka, spark, lake, tmp_path
 ):
-    from resources.lake import LakeResource
-
     topic = create_topic("retention", partitions=1)
     spec = _spec(topic)
     for n in range(10):
@@ -152,31 +135,31 @@ def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
     send(topic, b"{}", _change("c", 99, 999), _ms(nxt + timedelta(hours=1)))
     next_key = nxt.strftime("%Y-%m-%d-%H:%M")
 
-    run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    run(spec, lake)
     admin = KafkaAdminClient(bootstrap_servers=broker)
     admin.delete_records({TopicPartition(topic, 0): 15})
     admin.close()
 
     # The previous hour recorded where this one starts: the exact range is named.
     with pytest.raises(DataLossError, match=r"partition 0: offsets \[10, 15\)") as lost:
-        run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=next_key)
+        run(spec, lake, hour_key=next_key)
     assert "'accounts'" in str(lost.value) and next_key in str(lost.value)
     assert "accept_data_loss" in str(lost.value)
 
     # Without that record, the loss below the log start is still reported.
     fresh = LakeResource(root=str(tmp_path / "fresh"))
     with pytest.raises(DataLossError, match=r"partition 0: offsets \[\?, 15\)"):
-        run_hour(spark=spark, kafka=kafka, lake=fresh, spec=spec, hour_key=next_key)
+        run(spec, fresh, hour_key=next_key)
 
     # A table that accepts the loss materializes what is left and says what was lost.
     accepting = _spec(topic, accept_data_loss=True)
-    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=accepting, hour_key=next_key)
+    result = run(accepting, lake, hour_key=next_key)
     assert [r.describe() for r in result.slice.lost] == ["partition 0: offsets [10, 15)"]
     assert result.counts.consumed == 5 and result.counts.applied == 5
 
 
 def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
-    create_topic, send, broker, kafka, spark, lake
+    run, create_topic, send, broker, kafka, spark, lake
 ):
     topic = create_topic("bad-records", partitions=2)
     spec = _spec(topic)
@@ -204,11 +187,11 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
     for n, (key, value) in enumerate(good + bad):
         send(topic, key, value, t + n, partition=n % 2)
 
-    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    result = run(spec, lake)
     counts = result.counts
     assert counts.consumed == len(good) + len(bad)
     assert counts.errors == len(bad) and counts.tombstones == 1
-    assert counts.balanced and counts.applied == 2 and counts.superseded == 2
+    assert accounting_result(result).passed and counts.applied == 2 and counts.superseded == 2
     assert sum(result.error_reasons.values()) == len(bad)
     assert "value is not valid JSON" in result.error_reasons
     assert "truncate (op 't') is not applied by this pipeline" in result.error_reasons
@@ -230,7 +213,7 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
     }
 
     # Running the hour again adds no error twice.
-    run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    run(spec, lake)
     again = spark.read.format("delta").load(lake.table_path(spec.error_table_name)).count()
     assert again == len(bad)
 
@@ -241,7 +224,7 @@ def _envelope(op: str, lsn, before=None, after=None, ts_ms: int = 0) -> bytes:
     ).encode()
 
 
-def test_deletes_need_only_their_key(create_topic, send, broker, kafka, spark, lake):
+def test_deletes_need_only_their_key(run, create_topic, send, broker, kafka, spark, lake):
     """Key-only before-images (Postgres' default replica identity), a null before-image with
     the key in the Kafka key, and a before-image with a bad non-key value all delete the row."""
     topic = create_topic("key-only-deletes", partitions=1)
@@ -259,7 +242,7 @@ def test_deletes_need_only_their_key(create_topic, send, broker, kafka, spark, l
     send(topic, b'{"id":3}', _envelope("d", 13, before={"id": 3, "balance": "lots"}), t + 13)
     send(topic, None, _envelope("d", 14, before={"name": "no key anywhere"}), t + 14)
 
-    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    result = run(spec, lake)
     assert result.counts.errors == 1 and result.rows_deleted == 3
     assert list(result.error_reasons) == ["primary key column 'id' is missing or invalid"]
     records = [
@@ -274,8 +257,6 @@ def test_deletes_need_only_their_key(create_topic, send, broker, kafka, spark, l
 
 
 def _keys(broker: str, topic: str) -> list[bytes | None]:
-    from kafka import KafkaConsumer
-
     consumer = KafkaConsumer(bootstrap_servers=broker, consumer_timeout_ms=3_000)
     tp = TopicPartition(topic, 0)
     consumer.assign([tp])
@@ -286,7 +267,7 @@ def _keys(broker: str, topic: str) -> list[bytes | None]:
 
 
 def test_timestamps_in_each_unit_and_bad_source_times(
-    create_topic, send, broker, kafka, spark, lake
+    run, create_topic, send, broker, kafka, spark, lake
 ):
     topic = create_topic("timestamp-units", partitions=1)
     spec = TableSpec(
@@ -316,7 +297,7 @@ def test_timestamps_in_each_unit_and_bad_source_times(
     send(topic, b"{}", _envelope("c", 2, after={**row, "id": 2, "at_ms": 10**18}), t + 1)
     send(topic, b"{}", _envelope("c", 3, after={"id": 3, "at_us": None}), t + 2)  # columns gone
 
-    result = run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    result = run(spec, lake)
     assert result.counts.applied == 1 and result.counts.errors == 2
     assert set(result.error_reasons) == {
         "column 'at_ms' does not convert to timestamp(ms)",
@@ -331,19 +312,17 @@ def test_timestamps_in_each_unit_and_bad_source_times(
     assert actual[(1,)]["at_ms"] == actual[(1,)]["at_us"].replace(microsecond=373_000)
 
 
-def test_hard_deletes_remove_rows(create_topic, send, broker, kafka, spark, lake):
+def test_hard_deletes_remove_rows(run, create_topic, send, broker, kafka, spark, lake):
     topic = create_topic("hard-deletes", partitions=2)
     spec = _spec(topic, delete_mode="hard")
     t = _ms(HOUR)
     send(topic, b'{"id":1}', _change("c", 1, 1), t, partition=0)
     send(topic, b'{"id":2}', _change("c", 2, 2), t + 1, partition=1)
     send(topic, b'{"id":3}', _change("d", 3, 3), t + 2, partition=1)  # never existed
-    run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    run(spec, lake)
     nxt = HOUR + timedelta(hours=1)
     send(topic, b'{"id":1}', _change("d", 1, 4), _ms(nxt), partition=0)
-    result = run_hour(
-        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=nxt.strftime("%Y-%m-%d-%H:%M")
-    )
+    result = run(spec, lake, hour_key=nxt.strftime("%Y-%m-%d-%H:%M"))
     assert result.rows_deleted == 1 and result.counts.applied == 1
     table = spark.read.format("delta").load(lake.table_path(spec.name))
     assert [r.id for r in table.collect()] == [2]
@@ -352,7 +331,7 @@ def test_hard_deletes_remove_rows(create_topic, send, broker, kafka, spark, lake
 
 
 def test_a_late_record_after_an_idle_close_lands_in_the_next_hour(
-    create_topic, send, kafka, spark, lake
+    run, create_topic, send, kafka, spark, lake
 ):
     """I1 with the slice log: an idle partition closed by lateness ends at its end offset; a
     record stamped inside that hour arriving later is read by the next hour, not skipped."""
@@ -360,27 +339,20 @@ def test_a_late_record_after_an_idle_close_lands_in_the_next_hour(
     spec = _spec(topic)
     t = _ms(HOUR)
     send(topic, b'{"id":1}', _change("c", 1, 1), t + 10)
-    first = run_hour(
-        spark=spark,
-        kafka=kafka,
-        lake=lake,
-        spec=spec,
-        hour_key=KEY,
-        now=HOUR + timedelta(hours=1, minutes=20),
-    )
+    first = run(spec, lake, now=HOUR + timedelta(hours=1, minutes=20))
     assert first.slice.closed and first.slice.end_offsets() == {0: 1}
     send(topic, b'{"id":2}', _change("c", 2, 2), t + 20)  # late, stamped inside HOUR
     nxt = HOUR + timedelta(hours=1)
     send(topic, b'{"id":3}', _change("c", 3, 3), _ms(nxt) + 5)
-    second = run_hour(
-        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=nxt.strftime("%Y-%m-%d-%H:%M")
-    )
+    second = run(spec, lake, hour_key=nxt.strftime("%Y-%m-%d-%H:%M"))
     assert second.slice.start_offsets() == {0: 1}
     assert second.counts.applied == 2
     assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (3,)]
 
 
-def test_a_sequence_the_connector_does_not_send_fails_fast(create_topic, send, kafka, spark, lake):
+def test_a_sequence_the_connector_does_not_send_fails_fast(
+    run, create_topic, send, kafka, spark, lake
+):
     topic = create_topic("mysql-style", partitions=1)
     spec = _spec(topic)  # expects source.lsn; this "MySQL" connector sends file/pos
     mysql = json.dumps(
@@ -392,7 +364,7 @@ def test_a_sequence_the_connector_does_not_send_fails_fast(create_topic, send, k
     ).encode()
     send(topic, b'{"id":1}', mysql, _ms(HOUR))
     with pytest.raises(SequenceConfigError, match="'sequence' setting") as failure:
-        run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+        run(spec, lake)
     assert "'accounts'" in str(failure.value) and "source.file" in str(failure.value)
     assert not Path(lake.table_path(spec.error_table_name)).exists()
     assert not Path(lake.table_path(spec.name)).exists()

@@ -7,13 +7,26 @@ Python, no code shared with the pipeline) and against the demo source database's
 from __future__ import annotations
 
 import random
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 import pytest
 
 from cdc_assets.factory import build_table_asset
+from cdc_assets.hour_run import hour_start
+from cdc_assets.slicing import compute_slice
 from demo.reference import replay, replay_with_errors
-from tests.support import diff_rows, full_table, hour_keys, mirror_rows, read_topic, seed_demo
+from resources.lake import LakeResource
+from tests.support import (
+    FIRST_HOUR,
+    demo_specs,
+    diff_rows,
+    full_table,
+    hour_keys,
+    mirror_rows,
+    read_topic,
+    seed_demo,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +36,6 @@ CHANGES_PER_HOUR = 120
 
 @pytest.fixture
 def demo(broker, topic_prefix):
-    from tests.support import FIRST_HOUR, demo_specs
-
     specs = demo_specs(topic_prefix)
     source, produced = seed_demo(broker, specs, hours=HOURS, changes_per_hour=CHANGES_PER_HOUR)
     return specs, source, produced, hour_keys(FIRST_HOUR, HOURS)
@@ -87,11 +98,6 @@ def test_every_demo_table_matches_the_source(demo, broker, kafka, spark, spark_r
 
 
 def test_consecutive_slices_share_boundaries(demo, broker, kafka):
-    from datetime import UTC, datetime, timedelta
-
-    from cdc_assets.hour_run import hour_start
-    from cdc_assets.slicing import compute_slice
-
     specs, _, _, keys = demo
     consumer = kafka.consumer()
     misplaced = out_of_order = 0
@@ -147,8 +153,6 @@ def _check_slices(slices, records) -> int:
 
 
 def test_reruns_and_any_hour_order_converge(demo, kafka, spark, spark_resource, tmp_path):
-    from resources.lake import LakeResource
-
     specs, source, _, keys = demo
     in_order = LakeResource(root=str(tmp_path / "in_order"))
     shuffled = LakeResource(root=str(tmp_path / "shuffled"))
