@@ -36,6 +36,19 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
 
 
+# Names of the checks every table has; expectations are named '<column>_<expect>'.
+RESERVED_CHECK_NAMES = (
+    "accounting",
+    "continuity",
+    "error_rate",
+    "freshness",
+    "schema_drift",
+    "retention_risk",
+    "primary_key_not_null",
+    "primary_key_unique",
+)
+
+
 def spark_type(declared: str) -> str:
     """The Spark SQL type of a declared column type (a timestamp's unit is an encoding)."""
     return "timestamp" if declared.startswith("timestamp") else declared
@@ -63,6 +76,132 @@ class SequenceField(BaseModel):
     @property
     def struct_name(self) -> str:
         return self.field.replace(".", "_")
+
+
+Severity = Literal["WARN", "ERROR"]
+_EXPECTATION_KINDS = ("not_null", "unique", "in_set", "between", "regex", "type")
+# Row-level kinds: a failing change can be held back from the mirror (`hard: true`). Uniqueness
+# is a property of the live table and a column's type is enforced by decoding, so neither is.
+_HARD_KINDS = ("not_null", "in_set", "between", "regex")
+
+
+class ExpectationSpec(BaseModel):
+    """One great-expectations expectation on a source column, declared in the tables file.
+
+    Hard expectations are evaluated on the hour's decoded changes before the MERGE: a change
+    that fails goes to the error table, named by the expectation, and never reaches the mirror.
+    The others run after the MERGE on the rows the hour wrote (`unique`: among the live rows)
+    and report. A delete is never held back: removing a row that breaks a rule is fine.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    column: str
+    expect: Literal["not_null", "unique", "in_set", "between", "regex", "type"]
+    values: tuple[str | int | float | bool, ...] | None = Field(
+        default=None, description="in_set: the allowed values."
+    )
+    min: float | int | None = Field(default=None, description="between: inclusive lower bound.")
+    max: float | int | None = Field(default=None, description="between: inclusive upper bound.")
+    regex: str | None = Field(default=None, description="regex: Java regex the value must match.")
+    type: str | None = Field(default=None, description="type: the column's declared type.")
+    hard: bool = False
+    severity: Severity = "ERROR"
+    blocking: bool = False
+
+    @model_validator(mode="after")
+    def _parameters(self) -> ExpectationSpec:
+        needs = {"in_set": ("values",), "regex": ("regex",), "type": ("type",)}
+        given = {
+            name
+            for name in ("values", "min", "max", "regex", "type")
+            if getattr(self, name) is not None
+        }
+        wanted = set(needs.get(self.expect, ()))
+        if self.expect == "between":
+            if self.min is None and self.max is None:
+                raise ValueError("'between' needs min, max or both")
+            wanted = {"min", "max"} & given
+            if self.min is not None and self.max is not None and self.min > self.max:
+                raise ValueError(f"'between' has min {self.min} above max {self.max}")
+        if wanted - given:
+            raise ValueError(f"'{self.expect}' needs {', '.join(sorted(wanted - given))}")
+        if given - wanted:
+            raise ValueError(f"'{self.expect}' takes no {', '.join(sorted(given - wanted))}")
+        if self.expect == "in_set" and not self.values:
+            raise ValueError("'in_set' needs at least one value")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"regex '{self.regex}' does not compile: {exc}") from None
+        if (
+            self.type is not None
+            and self.type not in _SIMPLE_TYPES
+            and not _DECIMAL.match(self.type)
+        ):
+            raise ValueError(f"type '{self.type}' is not a column type")
+        if self.hard and self.expect not in _HARD_KINDS:
+            raise ValueError(
+                f"'{self.expect}' can't be hard: only {', '.join(_HARD_KINDS)} judge one change"
+            )
+        if self.blocking and self.severity == "WARN":
+            raise ValueError("a blocking check needs severity ERROR (a WARN failure never blocks)")
+        return self
+
+    @property
+    def check_name(self) -> str:
+        return f"{self.column}_{self.expect}"
+
+
+class CheckPolicy(BaseModel):
+    """How a failure of one of the pipeline's own checks is reported."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    severity: Severity = "WARN"
+    blocking: bool = False
+
+    @model_validator(mode="after")
+    def _blocking_needs_error(self) -> CheckPolicy:
+        if self.blocking and self.severity == "WARN":
+            raise ValueError("a blocking check needs severity ERROR (a WARN failure never blocks)")
+        return self
+
+
+class ErrorRatePolicy(CheckPolicy):
+    max_share: float = Field(
+        default=0.01, ge=0.0, le=1.0, description="Largest share of an hour's records quarantined."
+    )
+
+
+class FreshnessPolicy(CheckPolicy):
+    max_lag_minutes: int = Field(
+        default=120,
+        ge=0,
+        description="How far the newest source change in the mirror may trail the hour's end.",
+    )
+
+
+class RetentionPolicy(CheckPolicy):
+    min_hours_left: float = Field(
+        default=24.0, ge=0, description="Warn when Kafka will delete the hour's offsets sooner."
+    )
+
+
+class ChecksConfig(BaseModel):
+    """Severity, blocking and thresholds of the pipeline's own checks, per table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accounting: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
+    continuity: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
+    error_rate: ErrorRatePolicy = ErrorRatePolicy()
+    freshness: FreshnessPolicy = FreshnessPolicy()
+    schema_drift: CheckPolicy = CheckPolicy()
+    retention_risk: RetentionPolicy = RetentionPolicy()
+    # The implicit expectations on the primary key: not null and unique among live rows.
+    primary_key: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
 
 
 class TableSpec(BaseModel):
@@ -93,6 +232,8 @@ class TableSpec(BaseModel):
     )
     group: str = "cdc_mirrors"
     description: str | None = None
+    expectations: tuple[ExpectationSpec, ...] = ()
+    checks: ChecksConfig = ChecksConfig()
 
     @field_validator("name")
     @classmethod
@@ -149,6 +290,21 @@ class TableSpec(BaseModel):
         missing = [key for key in self.primary_key if key not in self.columns]
         if missing:
             raise ValueError(f"primary_key columns {missing} are not listed under columns")
+        problems, names = [], set(RESERVED_CHECK_NAMES)
+        for expectation in self.expectations:
+            if expectation.column not in self.columns:
+                problems.append(
+                    f"expectation '{expectation.check_name}' names column "
+                    f"'{expectation.column}', which is not listed under columns"
+                )
+            if expectation.check_name in names:
+                problems.append(
+                    f"expectation '{expectation.check_name}' is declared twice (or clashes "
+                    "with a built-in check); keep one per column and kind"
+                )
+            names.add(expectation.check_name)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property

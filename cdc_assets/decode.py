@@ -25,6 +25,8 @@ The CDC rules, stated once:
 
 from __future__ import annotations
 
+import re
+
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
@@ -43,6 +45,63 @@ OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET = (
 HOUR, INGESTED_AT, DELETED = "_cdc_hour", "_cdc_ingested_at", "_cdc_deleted"
 ERROR = "_cdc_error"
 TOMBSTONE = "_cdc_is_tombstone"
+ROW = "_cdc_row"  # the change's row as a variant (`after`, or `before` for a delete)
+
+
+def parse_object_fields(text: str | None) -> dict[str, str]:
+    """Field → kind of a `schema_of_variant` OBJECT<...> string (top level only)."""
+    if not text or not text.startswith("OBJECT<") or not text.endswith(">"):
+        return {}
+    body, fields, depth, quoted, item = text[len("OBJECT<") : -1], {}, 0, False, ""
+    for char in body + ",":
+        if char == "`":
+            quoted = not quoted
+        elif not quoted and char in "<(":
+            depth += 1
+        elif not quoted and char in ">)":
+            depth -= 1
+        if char == "," and depth == 0 and not quoted:
+            name, kind = _split_field(item.strip())
+            if name:
+                fields[name] = kind
+            item = ""
+        else:
+            item += char
+    return fields
+
+
+def _split_field(item: str) -> tuple[str, str]:
+    """'name: KIND' or '`odd name`: KIND' (a backquote inside is doubled) → (name, KIND)."""
+    if item.startswith("`"):
+        close = 1
+        while (close := item.index("`", close)) + 1 < len(item) and item[close + 1] == "`":
+            close += 2
+        return item[1:close].replace("``", "`"), item[close + 1 :].removeprefix(":").strip()
+    name, _, kind = item.partition(":")
+    return name.strip(), kind.strip()
+
+
+def source_kinds(decoded: DataFrame, object_schema: str | None) -> dict[str, str]:
+    """Column → JSON kind of the rows an hour's changes carried (inserts, updates, snapshots).
+
+    `object_schema` is `schema_of_variant_agg` over those rows; where a column's kind varied it
+    says only VARIANT, and the distinct kinds are looked up, joined by '|'.
+    """
+    fields = parse_object_fields(object_schema)
+    mixed = [column for column, kind in fields.items() if kind == "VARIANT"]
+    if mixed:
+        rows = decoded.where(~F.col(TOMBSTONE) & (F.col(OP) != "d"))
+        kinds = rows.agg(
+            *[
+                F.array_sort(
+                    F.collect_set(F.schema_of_variant(_get(F.col(ROW), _field(c), "variant")))
+                ).alias(f"k{n}")
+                for n, c in enumerate(mixed)
+            ]
+        ).first()
+        for n, column in enumerate(mixed):
+            fields[column] = "|".join(k for k in kinds[f"k{n}"] if k != "VOID") or "VOID"
+    return fields
 
 
 def _get(variant: Column, path: str, type_name: str) -> Column:
@@ -75,6 +134,23 @@ _ACCEPTED_KINDS = {
 _DECIMAL_KINDS = _NUMERIC + "|STRING"
 
 
+def _accepted(declared: str) -> str:
+    return _ACCEPTED_KINDS.get(spark_type(declared), _DECIMAL_KINDS)
+
+
+def kind_fits(declared: str, kind: str) -> bool:
+    """Whether a JSON kind (as `schema_of_variant` names it) converts to the declared type.
+
+    VOID is JSON null, which every column accepts. A kind that varied within the hour is given
+    as its kinds joined by '|' (see `source_kinds`); each of them must fit.
+    """
+    accepted = _accepted(declared)
+    return all(
+        part == "VOID" or re.fullmatch(f"({accepted})", part) is not None
+        for part in kind.split("|")
+    )
+
+
 # Microseconds per unit of an epoch timestamp, by the declared column type.
 _MICROS_PER_UNIT = {"timestamp": 1, "timestamp(us)": 1, "timestamp(ms)": 1000}
 # Epoch values beyond year 9999 are garbage, not timestamps; the bound also keeps the unit
@@ -94,7 +170,7 @@ def _epoch_micros(value: Column, micros_per_unit: int | None) -> Column:
 
 def _typed(raw: Column, declared: str) -> Column:
     """Converts one variant value to the declared type; null when it doesn't convert."""
-    kinds = _ACCEPTED_KINDS.get(spark_type(declared), _DECIMAL_KINDS)
+    kinds = _accepted(declared)
     is_string = F.schema_of_variant(raw) == "STRING"
     if declared.startswith("timestamp"):
         unit = _MICROS_PER_UNIT.get(declared)  # None for timestamp(ns)
@@ -204,6 +280,7 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
         "topic",
         *[values[column].alias(column) for column in spec.columns],
         F.col(OP),
+        data.alias(ROW),
         F.struct(
             *sequence_parts,
             F.col(KAFKA_PARTITION).alias("kafka_partition"),

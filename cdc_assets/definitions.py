@@ -7,7 +7,7 @@ import os
 import dagster as dg
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
-from cdc_assets.factory import build_table_asset
+from cdc_assets.factory import build_retention_check_for, build_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -18,6 +18,7 @@ TABLES_FILE_ENV = "CDC_TABLES_FILE"
 def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
     return dg.Definitions(
         assets=[build_table_asset(spec=spec) for spec in specs],
+        asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
         # One process and one Spark session for all the assets of a run.
         executor=dg.in_process_executor,
         resources={

@@ -5,7 +5,7 @@ from pydantic import Field
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, run_hour
-from checks.invariants import accounting_result, invariant_check_specs
+from checks.table_checks import build_retention_check, evaluate_run_checks, run_check_specs
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -85,9 +85,7 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
         description=description,
         group_name=spec.group,
         partitions_def=partitions_def,
-        check_specs=invariant_check_specs(
-            asset_key=dg.AssetKey(spec.name), partitions_def=partitions_def
-        ),
+        check_specs=run_check_specs(spec, partitions_def=partitions_def),
         kinds={"kafka", "spark", "delta"},
         pool=table_pool(spec),
         metadata={
@@ -123,9 +121,17 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
             context.log.warning(
                 f"{spec.name} {result.hour_key} was forced while open: the result is partial."
             )
+        path = lake.table_path(spec.name)
         return dg.MaterializeResult(
-            metadata=result_metadata(result, table_path=lake.table_path(spec.name)),
-            check_results=[accounting_result(result)],
+            metadata=result_metadata(result, table_path=path),
+            check_results=evaluate_run_checks(
+                spark=spark.session, spec=spec, path=path, result=result
+            ),
         )
 
     return _mirror
+
+
+def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:
+    """The standalone retention-risk check of `spec`'s mirror, partitioned like it."""
+    return build_retention_check(spec=spec, partitions_def=hourly_partitions(spec))

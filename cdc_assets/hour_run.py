@@ -14,7 +14,17 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import ERROR, SOURCE_TS, TOMBSTONE, decode
+from cdc_assets.decode import (
+    ERROR,
+    KAFKA_OFFSET,
+    KAFKA_PARTITION,
+    OP,
+    ROW,
+    SOURCE_TS,
+    TOMBSTONE,
+    decode,
+    source_kinds,
+)
 from cdc_assets.merge import (
     hour_history,
     latest_per_key,
@@ -23,6 +33,7 @@ from cdc_assets.merge import (
 )
 from cdc_assets.read import read_slice
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
+from checks.expectations import Audit, audit_changes
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 
@@ -55,6 +66,14 @@ class HourResult:
     newest_source_ts: datetime | None
     finished_at: datetime
     error_reasons: dict[str, int] = field(default_factory=dict)
+    # The MERGE commit that wrote this hour's changes; None when nothing was newer.
+    merge_version: int | None = None
+    # The previous hour's recorded end offsets when this hour ran; None: no run on record.
+    previous_end: dict[int, int] | None = None
+    # Column → JSON kind of the rows the source sent (`schema_of_variant` names).
+    source_fields: dict[str, str] = field(default_factory=dict)
+    # The hard expectations' verdict; None when the table declares none.
+    audit: Audit | None = None
 
     @property
     def lag_seconds(self) -> float | None:
@@ -67,18 +86,29 @@ def hour_start(hour_key: str) -> datetime:
     return datetime.strptime(hour_key, HOUR_KEY_FORMAT).replace(tzinfo=UTC)
 
 
+def previous_key(hour_key: str) -> str:
+    return (hour_start(hour_key) - timedelta(hours=1)).strftime(HOUR_KEY_FORMAT)
+
+
+def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int, int] | None:
+    """The newest recorded run's `edge` ("start"/"end") offsets of an hour, or None."""
+    for commit in history:  # newest first
+        if commit.get("hour") == hour_key:
+            parts = commit["slice"]["partitions"]
+            return {int(p): offsets[edge] for p, offsets in parts.items()}
+    return None
+
+
 def known_starts(history: list[dict], hour_key: str) -> dict[int, int]:
     """Where the hour begins by the log of earlier runs, per partition.
 
     The newest recorded end of the hour before wins (consecutive slices must share it); else
     this hour's own last recorded start; else nothing is known.
     """
-    previous_key = (hour_start(hour_key) - timedelta(hours=1)).strftime(HOUR_KEY_FORMAT)
-    for wanted, edge in ((previous_key, "end"), (hour_key, "start")):
-        for commit in history:  # newest first
-            if commit.get("hour") == wanted:
-                parts = commit["slice"]["partitions"]
-                return {int(p): offsets[edge] for p, offsets in parts.items()}
+    for wanted, edge in ((previous_key(hour_key), "end"), (hour_key, "start")):
+        offsets = recorded_offsets(history, wanted, edge)
+        if offsets is not None:
+            return offsets
     return {}
 
 
@@ -146,14 +176,30 @@ def run_hour(
     ingested_at = datetime.now(UTC)
     records = read_slice(spark, kafka.spark_options(), hour_slice)
     decoded = decode(records, spec, hour_key=hour_key).persist(StorageLevel.MEMORY_AND_DISK)
+    audited = None
     try:
-        good = decoded.where(F.col(ERROR).isNull() & ~F.col(TOMBSTONE))
+        applicable = F.col(ERROR).isNull() & ~F.col(TOMBSTONE)
+        # Audit: hard expectations hold failing changes back, into the error table.
+        audit = audit_changes(spark, spec, decoded.where(applicable))
+        if audit is not None and audit.failed is not None:
+            audited = (
+                decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
+                .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
+                .drop("_cdc_expectation")
+                .persist(StorageLevel.MEMORY_AND_DISK)
+            )
+            decoded, audited = audited, decoded
+        good = decoded.where(applicable)
         totals = decoded.agg(
             F.count("*").alias("consumed"),
             F.count_if(F.col(TOMBSTONE)).alias("tombstones"),
             F.count_if(F.col(ERROR).isNotNull()).alias("errors"),
             F.unix_millis(F.max(F.when(F.col(ERROR).isNull(), F.col(SOURCE_TS)))).alias("newest"),
+            F.schema_of_variant_agg(
+                F.when(~F.col(TOMBSTONE) & (F.col(OP) != "d"), F.col(ROW))
+            ).alias("source_schema"),
         ).first()
+        source_fields = source_kinds(decoded, totals["source_schema"])
         reasons = {}
         if totals["errors"]:
             reasons = {
@@ -190,6 +236,8 @@ def run_hour(
         )
     finally:
         decoded.unpersist()
+        if audited is not None:
+            audited.unpersist()
 
     n_good = totals["consumed"] - totals["tombstones"] - totals["errors"]
     newest = totals["newest"]
@@ -213,4 +261,8 @@ def run_hour(
         newest_source_ts=datetime.fromtimestamp(newest / 1000, UTC) if newest else None,
         finished_at=datetime.now(UTC),
         error_reasons=reasons,
+        merge_version=outcome.version,
+        previous_end=recorded_offsets(history, previous_key(hour_key), "end"),
+        source_fields=source_fields,
+        audit=audit,
     )

@@ -1,38 +1,75 @@
 """The pipeline's own invariants as asset checks, evaluated on every hour a run materializes.
 
-accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
-change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
-marker, or an error; no category is negative; and no more messages were read than the slice
-holds (fewer only where Kafka has offset gaps: transaction markers, compaction).
+- accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
+  change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
+  marker, or an error; no category is negative; and no more messages were read than the slice
+  holds (fewer only where Kafka has offset gaps: transaction markers, compaction).
+- continuity (I1): the hour starts, partition by partition, where the previous hour's recorded
+  run ended. A gap (offsets read by no hour) or an overlap (offsets read twice) names the
+  offsets. A partition the previous hour did not know must start at its log start.
+- error_rate (I7): the share of the hour's records that went to the error table.
+- freshness: the newest source change in the mirror trails the hour's end (or now, for the
+  current hour) by at most the table's allowed lag.
+- schema_drift: the columns the source sends in `after` against the declared ones: a column
+  that appeared, vanished, or arrives as a JSON kind the declared type does not accept.
+- retention_risk (I6): the hour's start offsets are still in Kafka, and how long they stay
+  there; an hour whose offsets are gone can no longer be replayed. A separate, partitioned
+  check that reads the hour's recorded slice from the Delta log, so it can be re-run any time
+  to see whether an old hour is still replayable.
+
+Severity, blocking and thresholds come from the table's `checks:` settings.
 """
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 import dagster as dg
 
-from cdc_assets.hour_run import HourResult
+from cdc_assets.config import CheckPolicy, TableSpec
+from cdc_assets.decode import kind_fits
+from cdc_assets.hour_run import HourResult, hour_start
+from resources.kafka import TopicRetention
 
 ACCOUNTING = "accounting"
+CONTINUITY = "continuity"
+ERROR_RATE = "error_rate"
+FRESHNESS = "freshness"
+SCHEMA_DRIFT = "schema_drift"
+RETENTION_RISK = "retention_risk"
+
+DESCRIPTIONS = {
+    ACCOUNTING: "Every consumed message is applied, superseded, stale, a tombstone or an error.",
+    CONTINUITY: "The hour starts where the previous hour ended, partition by partition (I1).",
+    ERROR_RATE: "The share of the hour's records quarantined in the error table is within bounds.",
+    FRESHNESS: "The newest source change in the mirror trails the hour's end by the allowed lag.",
+    SCHEMA_DRIFT: "The source sends exactly the declared columns, with compatible types.",
+    RETENTION_RISK: "Kafka still holds the hour's offsets long enough to replay it (I6).",
+}
+# Checks computed inside the asset's run, from what the run saw.
+RUN_CHECKS = (ACCOUNTING, CONTINUITY, ERROR_RATE, FRESHNESS, SCHEMA_DRIFT)
+
+
+def _severity(policy: CheckPolicy) -> dg.AssetCheckSeverity:
+    return dg.AssetCheckSeverity(policy.severity)
 
 
 def invariant_check_specs(
-    *, asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition
+    spec: TableSpec, *, asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition
 ) -> list[dg.AssetCheckSpec]:
     return [
         dg.AssetCheckSpec(
-            ACCOUNTING,
+            name,
             asset=asset_key,
             partitions_def=partitions_def,
-            blocking=True,
-            description=(
-                "Every consumed message is applied, superseded, stale, a tombstone or an error "
-                "(I2)."
-            ),
+            blocking=getattr(spec.checks, name).blocking,
+            description=DESCRIPTIONS[name],
         )
+        for name in RUN_CHECKS
     ]
 
 
-def accounting_result(result: HourResult) -> dg.AssetCheckResult:
+def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
     counts = result.counts
     parts = {
         "applied": counts.applied,
@@ -54,6 +91,7 @@ def accounting_result(result: HourResult) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         check_name=ACCOUNTING,
         passed=not problems,
+        severity=_severity(policy),
         description="; ".join(problems) or None,
         metadata={
             "consumed": counts.consumed,
@@ -62,4 +100,214 @@ def accounting_result(result: HourResult) -> dg.AssetCheckResult:
             "slice_offsets": result.slice.size,
             "offset_gaps": gaps,
         },
+    )
+
+
+def continuity_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
+    starts = result.slice.start_offsets()
+    log_starts = {p.partition: p.log_start for p in result.slice.partitions}
+    previous = result.previous_end
+    metadata = {
+        "start_offsets": dg.MetadataValue.json({str(p): o for p, o in sorted(starts.items())}),
+    }
+    if previous is None:
+        return dg.AssetCheckResult(
+            check_name=CONTINUITY,
+            passed=True,
+            severity=_severity(policy),
+            description="The previous hour has no recorded run; nothing to compare with.",
+            metadata={**metadata, "previous_hour_recorded": False},
+        )
+    problems = []
+    for partition in sorted(set(starts) | set(previous)):
+        start, end = starts.get(partition), previous.get(partition)
+        if start is None:
+            problems.append(f"partition {partition} ended the previous hour at {end} but is gone")
+        elif end is None:
+            if start > log_starts[partition]:
+                problems.append(
+                    f"partition {partition} is new since the previous hour: gap, offsets "
+                    f"[{log_starts[partition]}, {start}) belong to no hour"
+                )
+        elif start > end:
+            problems.append(f"partition {partition}: gap, offsets [{end}, {start}) were skipped")
+        elif start < end:
+            problems.append(f"partition {partition}: overlap, offsets [{start}, {end}) read twice")
+    return dg.AssetCheckResult(
+        check_name=CONTINUITY,
+        passed=not problems,
+        severity=_severity(policy),
+        description="; ".join(problems) or None,
+        metadata={
+            **metadata,
+            "previous_hour_recorded": True,
+            "previous_end_offsets": dg.MetadataValue.json(
+                {str(p): o for p, o in sorted(previous.items())}
+            ),
+            "partitions_with_gap_or_overlap": len(problems),
+        },
+    )
+
+
+def error_rate_result(result: HourResult, policy) -> dg.AssetCheckResult:
+    consumed, errors = result.counts.consumed, result.counts.errors
+    share = errors / consumed if consumed else 0.0
+    passed = share <= policy.max_share
+    return dg.AssetCheckResult(
+        check_name=ERROR_RATE,
+        passed=passed,
+        severity=_severity(policy),
+        description=None
+        if passed
+        else (
+            f"{errors} of {consumed} records ({share:.2%}) went to the error table, above the "
+            f"allowed {policy.max_share:.2%}"
+        ),
+        metadata={
+            "errors": errors,
+            "consumed": consumed,
+            "error_share": dg.MetadataValue.float(round(share, 6)),
+            "max_share": dg.MetadataValue.float(float(policy.max_share)),
+            "error_reasons": dg.MetadataValue.json(result.error_reasons),
+        },
+    )
+
+
+def freshness_result(
+    result: HourResult, policy, *, mirror_newest: datetime | None
+) -> dg.AssetCheckResult:
+    """Lag at the hour's end: a past hour is judged by what the mirror held once it closed."""
+    reference = min(result.finished_at, result.slice.hour_end)
+    allowed = timedelta(minutes=policy.max_lag_minutes)
+    metadata: dict = {"max_lag_minutes": policy.max_lag_minutes}
+    if mirror_newest is None:
+        return dg.AssetCheckResult(
+            check_name=FRESHNESS,
+            passed=True,
+            severity=_severity(policy),
+            description="The mirror holds no change with a source timestamp yet.",
+            metadata=metadata,
+        )
+    lag = max(reference - mirror_newest, timedelta(0))
+    passed = lag <= allowed
+    return dg.AssetCheckResult(
+        check_name=FRESHNESS,
+        passed=passed,
+        severity=_severity(policy),
+        description=None
+        if passed
+        else (
+            f"the newest source change in the mirror is {lag} older than "
+            f"{reference.isoformat()}, more than the allowed {allowed}"
+        ),
+        metadata={
+            **metadata,
+            "lag_minutes": dg.MetadataValue.float(round(lag.total_seconds() / 60, 2)),
+            "newest_source_ts": dg.MetadataValue.timestamp(mirror_newest),
+        },
+    )
+
+
+def schema_drift_result(result: HourResult, spec: TableSpec, policy) -> dg.AssetCheckResult:
+    observed = result.source_fields
+    metadata: dict = {"source_columns": dg.MetadataValue.json(observed)}
+    if not observed:
+        return dg.AssetCheckResult(
+            check_name=SCHEMA_DRIFT,
+            passed=True,
+            severity=_severity(policy),
+            description="No insert, update or snapshot row in this hour to compare.",
+            metadata=metadata,
+        )
+    appeared = sorted(set(observed) - set(spec.columns))
+    vanished = sorted(set(spec.columns) - set(observed))
+    changed = {
+        column: f"{observed[column]} (declared {declared})"
+        for column, declared in spec.columns.items()
+        if column in observed and not kind_fits(declared, observed[column])
+    }
+    problems = []
+    if appeared:
+        problems.append(f"columns not in the tables file appeared: {', '.join(appeared)}")
+    if vanished:
+        problems.append(f"declared columns the source no longer sends: {', '.join(vanished)}")
+    if changed:
+        problems.append(
+            "columns arriving with another type: "
+            + ", ".join(f"{c} as {kind}" for c, kind in sorted(changed.items()))
+        )
+    return dg.AssetCheckResult(
+        check_name=SCHEMA_DRIFT,
+        passed=not problems,
+        severity=_severity(policy),
+        description="; ".join(problems) or None,
+        metadata={
+            **metadata,
+            "appeared": ", ".join(appeared),
+            "vanished": ", ".join(vanished),
+            "type_changed": dg.MetadataValue.json(changed),
+        },
+    )
+
+
+def retention_risk_result(
+    *,
+    hour_key: str,
+    recorded_starts: dict[int, int] | None,
+    log_starts: dict[int, int],
+    retention: TopicRetention,
+    now: datetime,
+    policy,
+) -> dg.AssetCheckResult:
+    """Whether the hour's recorded start offsets are still in Kafka, and for how long.
+
+    Kafka deletes a segment once its newest record is older than retention.ms; the hour's
+    records are stamped at or after its start, so they stay at least until start + retention.
+    """
+    metadata: dict = {
+        "retention_ms": -1 if retention.retention_ms is None else retention.retention_ms,
+        "retention_bytes": -1 if retention.retention_bytes is None else retention.retention_bytes,
+        "compacted": retention.compacted,
+        "min_hours_left": dg.MetadataValue.float(float(policy.min_hours_left)),
+    }
+    if recorded_starts is None:
+        return dg.AssetCheckResult(
+            check_name=RETENTION_RISK,
+            passed=False,
+            severity=_severity(policy),
+            description=f"hour {hour_key} has no recorded run, so its offsets are unknown",
+            metadata=metadata,
+        )
+    deleted = {
+        p: (start, log_starts[p])
+        for p, start in sorted(recorded_starts.items())
+        if p in log_starts and start < log_starts[p]
+    }
+    metadata["start_offsets"] = dg.MetadataValue.json(
+        {str(p): o for p, o in sorted(recorded_starts.items())}
+    )
+    metadata["log_start_offsets"] = dg.MetadataValue.json(
+        {str(p): o for p, o in sorted(log_starts.items())}
+    )
+    problems = [
+        f"partition {p}: offsets [{start}, {log_start}) are already deleted"
+        for p, (start, log_start) in deleted.items()
+    ]
+    if problems:
+        problems.append("the hour can no longer be replayed from Kafka")
+    elif retention.retention_ms is not None:
+        expires = hour_start(hour_key) + timedelta(milliseconds=retention.retention_ms)
+        hours_left = (expires - now).total_seconds() / 3600
+        metadata["hours_left"] = dg.MetadataValue.float(round(hours_left, 2))
+        if hours_left < policy.min_hours_left:
+            problems.append(
+                f"Kafka may delete the hour's offsets from {expires.isoformat()} "
+                f"({hours_left:.1f} h from now, fewer than {policy.min_hours_left:g})"
+            )
+    return dg.AssetCheckResult(
+        check_name=RETENTION_RISK,
+        passed=not problems,
+        severity=_severity(policy),
+        description="; ".join(problems) or None,
+        metadata=metadata,
     )

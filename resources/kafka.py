@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
 from kafka import KafkaConsumer
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from pydantic import Field, field_validator
 
 _LOGIN_MODULES = {
@@ -17,6 +19,15 @@ _LOGIN_MODULES = {
 
 def _jaas_quote(value: str | None) -> str:
     return '"' + (value or "").replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True)
+class TopicRetention:
+    """How long Kafka keeps a topic's records (None: no limit of that kind)."""
+
+    retention_ms: int | None
+    retention_bytes: int | None
+    compacted: bool
 
 
 class KafkaResource(dg.ConfigurableResource):
@@ -56,25 +67,56 @@ class KafkaResource(dg.ConfigurableResource):
             )
         return value
 
-    def consumer(self) -> KafkaConsumer:
-        """A consumer for offset lookups only: no group, no commits, committed reads."""
-        kwargs: dict[str, Any] = {
+    def _client_settings(self) -> dict[str, Any]:
+        settings: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers.split(","),
-            "enable_auto_commit": False,
-            "group_id": None,
-            "isolation_level": "read_committed",
             "request_timeout_ms": self.request_timeout_ms,
             "security_protocol": self.security_protocol,
         }
         if self.sasl_mechanism:
-            kwargs |= {
+            settings |= {
                 "sasl_mechanism": self.sasl_mechanism,
                 "sasl_plain_username": self.sasl_username,
                 "sasl_plain_password": self.sasl_password,
             }
         if self.ssl_cafile:
-            kwargs["ssl_cafile"] = self.ssl_cafile
-        return KafkaConsumer(**kwargs)
+            settings["ssl_cafile"] = self.ssl_cafile
+        return settings
+
+    def consumer(self) -> KafkaConsumer:
+        """A consumer for offset lookups only: no group, no commits, committed reads."""
+        return KafkaConsumer(
+            enable_auto_commit=False,
+            group_id=None,
+            isolation_level="read_committed",
+            **self._client_settings(),
+        )
+
+    def topic_retention(self, topic: str) -> TopicRetention:
+        """The topic's effective retention settings, as the brokers apply them."""
+        wanted = {"retention.ms": None, "retention.bytes": None, "cleanup.policy": None}
+        admin = KafkaAdminClient(**self._client_settings())
+        try:
+            described = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, topic, wanted)], config_filter="all"
+            )
+        finally:
+            admin.close()
+        configs = described.get("topic", {}).get(topic) or {}
+        if not configs:
+            raise RuntimeError(
+                f"Kafka returned no configuration for topic '{topic}'; check that it exists"
+            )
+
+        def limit(name: str) -> int | None:
+            value = int(configs[name]["value"])
+            return None if value < 0 else value
+
+        return TopicRetention(
+            retention_ms=limit("retention.ms"),
+            retention_bytes=limit("retention.bytes"),
+            compacted="compact" in configs["cleanup.policy"]["value"],
+        )
 
     def spark_options(self) -> dict[str, str]:
         """Options for `spark.read.format("kafka")` (Spark redacts the JAAS config in its logs)."""

@@ -37,6 +37,38 @@ def test_shipped_tables_file_loads():
         ({"sequence": [{"field": "source..lsn"}]}, "is not a dotted path"),
         ({"colums": {}}, "setting 'colums': Extra inputs are not permitted"),
         ({"name": "bad-name"}, "setting 'name': 'bad-name' must be an identifier"),
+        ({"expectations": [{"column": "nope", "expect": "not_null"}]}, "names column 'nope'"),
+        ({"expectations": [{"column": "id", "expect": "in_set"}]}, "'in_set' needs values"),
+        ({"expectations": [{"column": "id", "expect": "between"}]}, "needs min, max or both"),
+        (
+            {"expectations": [{"column": "id", "expect": "between", "min": 5, "max": 1}]},
+            "min 5 above max 1",
+        ),
+        (
+            {"expectations": [{"column": "email", "expect": "regex", "regex": "("}]},
+            "regex '(' does not compile",
+        ),
+        (
+            {"expectations": [{"column": "email", "expect": "unique", "hard": True}]},
+            "'unique' can't be hard",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "not_null", "values": [1]}]},
+            "'not_null' takes no values",
+        ),
+        (
+            {
+                "expectations": [
+                    {"column": "id", "expect": "not_null", "severity": "WARN", "blocking": True}
+                ]
+            },
+            "a blocking check needs severity ERROR",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "not_null"}] * 2},
+            "expectation 'id_not_null' is declared twice",
+        ),
+        ({"checks": {"error_rate": {"max_share": 2}}}, "setting 'checks.error_rate.max_share'"),
     ],
 )
 def test_each_bad_setting_is_named(overrides, expected):

@@ -1,24 +1,49 @@
-"""The accounting check (I2) on hand-made hour results: it passes when the counts balance and
-fails, saying why, when they don't."""
+"""The pipeline's own checks on hand-made hour results: each passes on a sound hour and fails,
+saying why, on a broken one; severity comes from the table's policy."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import dagster as dg
+
+from cdc_assets.config import (
+    CheckPolicy,
+    ErrorRatePolicy,
+    FreshnessPolicy,
+    RetentionPolicy,
+    TableSpec,
+)
+from cdc_assets.decode import kind_fits, parse_object_fields
 from cdc_assets.hour_run import HourCounts, HourResult
 from cdc_assets.slicing import HourSlice, PartitionSlice
-from checks.invariants import accounting_result
+from checks.invariants import (
+    accounting_result,
+    continuity_result,
+    error_rate_result,
+    freshness_result,
+    retention_risk_result,
+    schema_drift_result,
+)
+from resources.kafka import TopicRetention
 
 START = datetime(2026, 11, 3, 9, tzinfo=UTC)
 
 
-def _result(counts: HourCounts, slice_size: int = 10) -> HourResult:
+POLICY = CheckPolicy(severity="ERROR", blocking=True)
+KEY = "2026-11-03-09:00"
+
+
+def _result(
+    counts: HourCounts = None, slice_size: int = 10, *, partitions=None, **fields
+) -> HourResult:
+    counts = counts or BALANCED
     hour_slice = HourSlice(
         topic="t",
         hour_start=START,
         hour_end=START + timedelta(hours=1),
-        partitions=(PartitionSlice(0, 5, 5 + slice_size, 0, True),),
+        partitions=partitions or (PartitionSlice(0, 5, 5 + slice_size, 0, True),),
         closed=True,
         open_reason=None,
     )
@@ -33,7 +58,8 @@ def _result(counts: HourCounts, slice_size: int = 10) -> HourResult:
         delta_version=1,
         partial=False,
         newest_source_ts=None,
-        finished_at=START,
+        finished_at=fields.pop("finished_at", START + timedelta(hours=2)),
+        **fields,
     )
 
 
@@ -41,26 +67,180 @@ BALANCED = HourCounts(consumed=10, applied=4, superseded=2, stale=1, tombstones=
 
 
 def test_balanced_counts_pass():
-    check = accounting_result(_result(BALANCED))
+    check = accounting_result(_result(BALANCED), POLICY)
     assert check.passed
     assert check.metadata["accounted"].value == 10
     assert check.metadata["offset_gaps"].value == 0
 
 
 def test_unbalanced_counts_fail():
-    check = accounting_result(_result(replace(BALANCED, errors=3)))
+    check = accounting_result(_result(replace(BALANCED, errors=3)), POLICY)
     assert not check.passed
     assert "consumed 10 but accounted for 11" in check.description
 
 
 def test_a_merge_touching_more_rows_than_keys_fails():
     # applied > merged keys shows up as a negative stale count.
-    check = accounting_result(_result(replace(BALANCED, applied=6, stale=-1)))
+    check = accounting_result(_result(replace(BALANCED, applied=6, stale=-1)), POLICY)
     assert not check.passed
     assert "negative counts: stale" in check.description
 
 
 def test_reading_past_the_slice_fails_and_gaps_are_reported():
-    assert not accounting_result(_result(BALANCED, slice_size=9)).passed
-    with_gaps = accounting_result(_result(BALANCED, slice_size=12))
+    assert not accounting_result(_result(BALANCED, slice_size=9), POLICY).passed
+    with_gaps = accounting_result(_result(BALANCED, slice_size=12), POLICY)
     assert with_gaps.passed and with_gaps.metadata["offset_gaps"].value == 2
+
+
+# --- continuity (I1) -----------------------------------------------------------------------
+
+
+def _parts(*starts_ends):
+    return tuple(PartitionSlice(p, s, e, 0, True) for p, (s, e) in enumerate(starts_ends))
+
+
+def test_continuity_passes_when_each_partition_starts_at_the_previous_end():
+    check = continuity_result(
+        _result(partitions=_parts((5, 9), (7, 7)), previous_end={0: 5, 1: 7}), POLICY
+    )
+    assert check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+
+
+def test_continuity_names_gaps_and_overlaps():
+    check = continuity_result(
+        _result(partitions=_parts((8, 9), (3, 9)), previous_end={0: 5, 1: 7}), POLICY
+    )
+    assert not check.passed
+    assert "partition 0: gap, offsets [5, 8) were skipped" in check.description
+    assert "partition 1: overlap, offsets [3, 7) read twice" in check.description
+    assert check.metadata["partitions_with_gap_or_overlap"].value == 2
+
+
+def test_continuity_on_new_and_vanished_partitions():
+    new = _parts((5, 9), (0, 3), (4, 6))  # partition 2 is new and starts above its log start 0
+    check = continuity_result(_result(partitions=new, previous_end={0: 5, 1: 0}), POLICY)
+    assert not check.passed
+    assert "partition 2 is new since the previous hour: gap, offsets [0, 4)" in check.description
+    gone = continuity_result(_result(partitions=_parts((5, 9)), previous_end={0: 5, 1: 2}), POLICY)
+    assert (
+        not gone.passed
+        and "partition 1 ended the previous hour at 2 but is gone" in gone.description
+    )
+    fresh = continuity_result(
+        _result(partitions=_parts((5, 9), (0, 2)), previous_end={0: 5}), POLICY
+    )
+    assert fresh.passed
+
+
+def test_continuity_without_a_previous_run_passes_and_says_so():
+    check = continuity_result(_result(previous_end=None), POLICY)
+    assert check.passed and check.metadata["previous_hour_recorded"].value is False
+
+
+# --- error rate (I7) ----------------------------------------------------------------------
+
+
+def test_error_rate_fails_above_the_configured_share():
+    policy = ErrorRatePolicy(max_share=0.2, severity="WARN")
+    assert error_rate_result(_result(BALANCED), policy).passed  # 2 of 10
+    check = error_rate_result(_result(replace(BALANCED, errors=3, applied=3)), policy)
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+    assert "3 of 10 records (30.00%)" in check.description
+
+
+# --- freshness -------------------------------------------------------------------------------
+
+
+def test_freshness_is_judged_at_the_hour_end():
+    policy = FreshnessPolicy(max_lag_minutes=30)
+    hour_end = START + timedelta(hours=1)
+    fresh = freshness_result(_result(), policy, mirror_newest=hour_end - timedelta(minutes=29))
+    assert fresh.passed and fresh.metadata["lag_minutes"].value == 29.0
+    stale = freshness_result(_result(), policy, mirror_newest=hour_end - timedelta(minutes=31))
+    assert not stale.passed and "more than the allowed 0:30:00" in stale.description
+    ahead = freshness_result(_result(), policy, mirror_newest=hour_end + timedelta(hours=3))
+    assert ahead.passed and ahead.metadata["lag_minutes"].value == 0.0
+    # The current hour is judged against now, not its future end.
+    current = _result(finished_at=START + timedelta(minutes=20))
+    assert freshness_result(current, policy, mirror_newest=START).passed
+
+
+# --- schema drift ------------------------------------------------------------------------
+
+
+SPEC = TableSpec(
+    name="t",
+    topic="t",
+    primary_key=("id",),
+    columns={"id": "bigint", "name": "string", "at": "timestamp", "amount": "decimal(10,2)"},
+    start_hour="2026-11-01-00:00",
+)
+
+
+def test_schema_drift_passes_on_declared_columns_and_compatible_kinds():
+    fields = {"id": "BIGINT", "name": "VOID", "at": "BIGINT|STRING", "amount": "DECIMAL(4,2)"}
+    assert schema_drift_result(_result(source_fields=fields), SPEC, POLICY).passed
+
+
+def test_schema_drift_names_appeared_vanished_and_changed_columns():
+    fields = {"id": "STRING", "name": "STRING", "amount": "BIGINT", "nickname": "STRING"}
+    check = schema_drift_result(_result(source_fields=fields), SPEC, POLICY)
+    assert not check.passed
+    assert "appeared: nickname" in check.description
+    assert "no longer sends: at" in check.description
+    assert "id as STRING (declared bigint)" in check.description
+    assert check.metadata["appeared"].value == "nickname"
+
+
+def test_schema_of_variant_strings_parse_and_kinds_fit():
+    text = (
+        "OBJECT<a: VARIANT, `we ird`: DECIMAL(2,1), d: OBJECT<e: BIGINT, f: STRING>, `a``b`: INT>"
+    )
+    assert parse_object_fields(text) == {
+        "a": "VARIANT",
+        "we ird": "DECIMAL(2,1)",
+        "d": "OBJECT<e: BIGINT, f: STRING>",
+        "a`b": "INT",
+    }
+    assert parse_object_fields(None) == {}
+    assert kind_fits("bigint", "BIGINT") and kind_fits("bigint", "DECIMAL(20,0)")
+    assert not kind_fits("bigint", "STRING") and not kind_fits("boolean", "BIGINT")
+    assert kind_fits("timestamp", "BIGINT|STRING") and not kind_fits("string", "BIGINT|STRING")
+    assert kind_fits("string", "VOID")
+
+
+# --- retention risk (I6) ----------------------------------------------------------------
+
+
+def _retention(**kwargs):
+    options = {
+        "hour_key": KEY,
+        "recorded_starts": {0: 5, 1: 7},
+        "log_starts": {0: 0, 1: 7},
+        "retention": TopicRetention(retention_ms=None, retention_bytes=None, compacted=False),
+        "now": START + timedelta(hours=5),
+        "policy": RetentionPolicy(min_hours_left=24),
+    }
+    return retention_risk_result(**(options | kwargs))
+
+
+def test_retention_risk_passes_with_unlimited_retention():
+    assert _retention().passed
+
+
+def test_retention_risk_counts_the_hours_left():
+    week = TopicRetention(retention_ms=7 * 24 * 3_600_000, retention_bytes=None, compacted=False)
+    check = _retention(retention=week)
+    assert check.passed and check.metadata["hours_left"].value == 7 * 24 - 5
+    day = TopicRetention(retention_ms=24 * 3_600_000, retention_bytes=None, compacted=False)
+    soon = _retention(retention=day)
+    assert not soon.passed and "19.0 h from now, fewer than 24" in soon.description
+
+
+def test_retention_risk_fails_once_the_offsets_are_gone_or_unknown():
+    gone = _retention(log_starts={0: 6, 1: 7})
+    assert not gone.passed
+    assert "partition 0: offsets [5, 6) are already deleted" in gone.description
+    assert "can no longer be replayed" in gone.description
+    unknown = _retention(recorded_starts=None)
+    assert not unknown.passed and "no recorded run" in unknown.description
