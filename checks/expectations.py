@@ -178,7 +178,9 @@ def _batch_definition(session: SparkSession):
         progress_bars=ProgressBarsConfig(globally=False),
     )
     context = gx.get_context(mode="ephemeral", project_config=config)
-    source = context.data_sources.add_spark(name="cdc_lake")
+    # persist=False: great-expectations would cache every frame it validates and never release
+    # it; the frames worth caching are cached (and released) here.
+    source = context.data_sources.add_spark(name="cdc_lake", persist=False)
     return source.add_dataframe_asset(name="frame").add_batch_definition_whole_dataframe("all")
 
 
