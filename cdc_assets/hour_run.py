@@ -99,17 +99,17 @@ def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int,
     return None
 
 
-def known_starts(history: list[dict], hour_key: str) -> dict[int, int]:
+def known_starts(
+    history: list[dict], hour_key: str, previous_end: dict[int, int] | None
+) -> dict[int, int]:
     """Where the hour begins by the log of earlier runs, per partition.
 
     The newest recorded end of the hour before wins (consecutive slices must share it); else
     this hour's own last recorded start; else nothing is known.
     """
-    for wanted, edge in ((previous_key(hour_key), "end"), (hour_key, "start")):
-        offsets = recorded_offsets(history, wanted, edge)
-        if offsets is not None:
-            return offsets
-    return {}
+    if previous_end is not None:
+        return previous_end
+    return recorded_offsets(history, hour_key, "start") or {}
 
 
 class SequenceConfigError(RuntimeError):
@@ -144,6 +144,7 @@ def run_hour(
     now = now or datetime.now(UTC)
     path = lake.table_path(spec.name)
     last_version, history = hour_history(spark, path)
+    previous_end = recorded_offsets(history, previous_key(hour_key), "end")
     consumer = kafka.consumer()
     try:
         hour_slice = compute_slice(
@@ -153,7 +154,7 @@ def run_hour(
             hour_start=hour_start(hour_key),
             now=now,
             allowed_lateness=timedelta(minutes=spec.allowed_lateness_minutes),
-            known_starts=known_starts(history, hour_key),
+            known_starts=known_starts(history, hour_key, previous_end),
         )
     finally:
         consumer.close()
@@ -262,7 +263,7 @@ def run_hour(
         finished_at=datetime.now(UTC),
         error_reasons=reasons,
         merge_version=outcome.version,
-        previous_end=recorded_offsets(history, previous_key(hour_key), "end"),
+        previous_end=previous_end,
         source_fields=source_fields,
         audit=audit,
     )

@@ -151,17 +151,22 @@ def merge_changes(
     )
 
 
-def _outcome(
-    spark: SparkSession, spec: TableSpec, path: str, version: int, merged_keys: int
-) -> MergeOutcome:
-    """Counts what the commit changed, pairing its change feed's pre- and post-images per key."""
-    feed = (
+def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
+    """What commit `version` of the table changed: Delta's change data feed of that commit."""
+    return (
         spark.read.format("delta")
         .option("readChangeFeed", "true")
         .option("startingVersion", version)
         .option("endingVersion", version)
         .load(path)
     )
+
+
+def _outcome(
+    spark: SparkSession, spec: TableSpec, path: str, version: int, merged_keys: int
+) -> MergeOutcome:
+    """Counts what the commit changed, pairing its change feed's pre- and post-images per key."""
+    feed = change_feed(spark, path, version)
     change = F.col("_change_type")
     per_key = feed.groupBy(*spec.primary_key).agg(
         F.max(change.isin("insert", "update_postimage", "delete").cast("int")).alias("applied"),

@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import ExpectationSpec, TableSpec, spark_type
 from cdc_assets.decode import DELETED, KAFKA_OFFSET, KAFKA_PARTITION, OP
+from cdc_assets.merge import change_feed
 
 PK_NOT_NULL = "primary_key_not_null"
 PK_UNIQUE = "primary_key_unique"
@@ -44,14 +45,6 @@ _SPARK_CLASSES = {
     "timestamp": "TimestampType",
     "date": "DateType",
 }
-# Counts great-expectations reports; anything else in its result may quote values.
-_COUNTS = (
-    "element_count",
-    "unexpected_count",
-    "unexpected_percent",
-    "missing_count",
-    "missing_percent",
-)
 
 
 @dataclass(frozen=True)
@@ -132,7 +125,7 @@ def expectation_check_specs(
     ]
 
 
-def _gx_expectations(expectation: Expectation, spec: TableSpec) -> list:
+def _gx_expectations(expectation: Expectation) -> list:
     import great_expectations as gx
 
     kinds = gx.expectations
@@ -159,7 +152,7 @@ def _gx_expectations(expectation: Expectation, spec: TableSpec) -> list:
         declared = spark_type(p["type"])
         class_name = "DecimalType" if declared.startswith("decimal") else _SPARK_CLASSES[declared]
         return [kinds.ExpectColumnValuesToBeOfType(column=column, type_=class_name)]
-    raise ValueError(f"table '{spec.name}': unknown expectation kind '{expectation.kind}'")
+    raise ValueError(f"unknown expectation kind '{expectation.kind}'")
 
 
 @functools.lru_cache(maxsize=1)
@@ -219,7 +212,7 @@ class Outcome:
     def check_result(self, *, rows_label: str, extra: dict | None = None) -> dg.AssetCheckResult:
         e = self.expectation
         metadata: dict[str, Any] = {
-            "expectation": ", ".join(_gx_types(e)),
+            "expectation": ", ".join(g.configuration.type for g in _gx_expectations(e)),
             "columns": ", ".join(e.columns),
             "parameters": dg.MetadataValue.json(e.parameters),
             "evaluated_on": rows_label,
@@ -245,24 +238,6 @@ class Outcome:
         )
 
 
-def _gx_types(expectation: Expectation) -> list[str]:
-    names = {
-        "not_null": "expect_column_values_to_not_be_null",
-        "in_set": "expect_column_values_to_be_in_set",
-        "between": "expect_column_values_to_be_between",
-        "regex": "expect_column_values_to_match_regex",
-        "type": "expect_column_values_to_be_of_type",
-    }
-    if expectation.kind == "unique":
-        compound = len(expectation.columns) > 1
-        return [
-            "expect_compound_columns_to_be_unique"
-            if compound
-            else "expect_column_values_to_be_unique"
-        ]
-    return [names[expectation.kind]]
-
-
 def _summarize(expectation: Expectation, results: list) -> Outcome:
     """Folds the results of one check's expectations (one per key column for not_null)."""
     failures = [r.exception_info.get("exception_message") for r in results if _raised(r)]
@@ -281,9 +256,7 @@ def _summarize(expectation: Expectation, results: list) -> Outcome:
         counts["unexpected_percent"] = round(
             100.0 * counts["unexpected_count"] / counts["element_count"], 4
         )
-    observed = next(
-        (r.result.get("observed_value") for r in results if expectation.kind == "type"), None
-    )
+    observed = results[0].result.get("observed_value") if expectation.kind == "type" else None
     return Outcome(
         expectation,
         all(r.success for r in results),
@@ -328,7 +301,7 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
         return None
     audited = changes.where(F.col(OP) != "d")
     index = [KAFKA_PARTITION, KAFKA_OFFSET]
-    expanded = [(e, gx_e) for e in hard for gx_e in _gx_expectations(e, spec)]
+    expanded = [(e, gx_e) for e in hard for gx_e in _gx_expectations(e)]
     results = _validate(
         audited,
         [gx_e for _, gx_e in expanded],
@@ -372,11 +345,7 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
 def written_rows(spark: SparkSession, path: str, version: int) -> DataFrame:
     """The live rows commit `version` of the mirror wrote (inserted or updated, not deleted)."""
     return (
-        spark.read.format("delta")
-        .option("readChangeFeed", "true")
-        .option("startingVersion", version)
-        .option("endingVersion", version)
-        .load(path)
+        change_feed(spark, path, version)
         .where(F.col("_change_type").isin("insert", "update_postimage") & ~F.col(DELETED))
         .drop("_change_type", "_commit_version", "_commit_timestamp")
     )
@@ -400,7 +369,7 @@ def validate_written(
     try:
         outcomes: dict[str, Outcome] = {}
         per_row = [e for e in expectations if e.kind != "unique"]
-        expanded = [(e, gx_e) for e in per_row for gx_e in _gx_expectations(e, spec)]
+        expanded = [(e, gx_e) for e in per_row for gx_e in _gx_expectations(e)]
         if expanded:
             results = _validate(
                 written,
@@ -431,7 +400,7 @@ def validate_written(
                 e,
                 _validate(
                     colliding,
-                    _gx_expectations(e, spec),
+                    _gx_expectations(e),
                     {"result_format": "BASIC", "partial_unexpected_count": 0},
                 ),
             )

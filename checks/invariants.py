@@ -26,7 +26,13 @@ from datetime import datetime, timedelta
 
 import dagster as dg
 
-from cdc_assets.config import CheckPolicy, TableSpec
+from cdc_assets.config import (
+    CheckPolicy,
+    ErrorRatePolicy,
+    FreshnessPolicy,
+    RetentionPolicy,
+    TableSpec,
+)
 from cdc_assets.decode import kind_fits
 from cdc_assets.hour_run import HourResult, hour_start
 from resources.kafka import TopicRetention
@@ -50,8 +56,21 @@ DESCRIPTIONS = {
 RUN_CHECKS = (ACCOUNTING, CONTINUITY, ERROR_RATE, FRESHNESS, SCHEMA_DRIFT)
 
 
-def _severity(policy: CheckPolicy) -> dg.AssetCheckSeverity:
-    return dg.AssetCheckSeverity(policy.severity)
+def _verdict(
+    name: str, policy: CheckPolicy, problems: list[str], metadata: dict, note: str | None = None
+) -> dg.AssetCheckResult:
+    """Passed when there are no problems; the description lists them (or says `note`)."""
+    return dg.AssetCheckResult(
+        check_name=name,
+        passed=not problems,
+        severity=dg.AssetCheckSeverity(policy.severity),
+        description="; ".join(problems) or note,
+        metadata=metadata,
+    )
+
+
+def _offsets(by_partition: dict[int, int]) -> dg.MetadataValue:
+    return dg.MetadataValue.json({str(p): o for p, o in sorted(by_partition.items())})
 
 
 def invariant_check_specs(
@@ -88,12 +107,11 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
         problems.append(f"negative counts: {', '.join(negative)}")
     if gaps < 0:
         problems.append(f"read {counts.consumed} messages from a slice of {result.slice.size}")
-    return dg.AssetCheckResult(
-        check_name=ACCOUNTING,
-        passed=not problems,
-        severity=_severity(policy),
-        description="; ".join(problems) or None,
-        metadata={
+    return _verdict(
+        ACCOUNTING,
+        policy,
+        problems,
+        {
             "consumed": counts.consumed,
             "accounted": accounted,
             **parts,
@@ -107,16 +125,14 @@ def continuity_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
     starts = result.slice.start_offsets()
     log_starts = {p.partition: p.log_start for p in result.slice.partitions}
     previous = result.previous_end
-    metadata = {
-        "start_offsets": dg.MetadataValue.json({str(p): o for p, o in sorted(starts.items())}),
-    }
+    metadata = {"start_offsets": _offsets(starts)}
     if previous is None:
-        return dg.AssetCheckResult(
-            check_name=CONTINUITY,
-            passed=True,
-            severity=_severity(policy),
-            description="The previous hour has no recorded run; nothing to compare with.",
-            metadata={**metadata, "previous_hour_recorded": False},
+        return _verdict(
+            CONTINUITY,
+            policy,
+            [],
+            {**metadata, "previous_hour_recorded": False},
+            note="The previous hour has no recorded run; nothing to compare with.",
         )
     problems = []
     for partition in sorted(set(starts) | set(previous)):
@@ -133,37 +149,33 @@ def continuity_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
             problems.append(f"partition {partition}: gap, offsets [{end}, {start}) were skipped")
         elif start < end:
             problems.append(f"partition {partition}: overlap, offsets [{start}, {end}) read twice")
-    return dg.AssetCheckResult(
-        check_name=CONTINUITY,
-        passed=not problems,
-        severity=_severity(policy),
-        description="; ".join(problems) or None,
-        metadata={
+    return _verdict(
+        CONTINUITY,
+        policy,
+        problems,
+        {
             **metadata,
             "previous_hour_recorded": True,
-            "previous_end_offsets": dg.MetadataValue.json(
-                {str(p): o for p, o in sorted(previous.items())}
-            ),
+            "previous_end_offsets": _offsets(previous),
             "partitions_with_gap_or_overlap": len(problems),
         },
     )
 
 
-def error_rate_result(result: HourResult, policy) -> dg.AssetCheckResult:
+def error_rate_result(result: HourResult, policy: ErrorRatePolicy) -> dg.AssetCheckResult:
     consumed, errors = result.counts.consumed, result.counts.errors
     share = errors / consumed if consumed else 0.0
-    passed = share <= policy.max_share
-    return dg.AssetCheckResult(
-        check_name=ERROR_RATE,
-        passed=passed,
-        severity=_severity(policy),
-        description=None
-        if passed
-        else (
+    problems = []
+    if share > policy.max_share:
+        problems.append(
             f"{errors} of {consumed} records ({share:.2%}) went to the error table, above the "
             f"allowed {policy.max_share:.2%}"
-        ),
-        metadata={
+        )
+    return _verdict(
+        ERROR_RATE,
+        policy,
+        problems,
+        {
             "errors": errors,
             "consumed": consumed,
             "error_share": dg.MetadataValue.float(round(share, 6)),
@@ -174,33 +186,27 @@ def error_rate_result(result: HourResult, policy) -> dg.AssetCheckResult:
 
 
 def freshness_result(
-    result: HourResult, policy, *, mirror_newest: datetime | None
+    result: HourResult, policy: FreshnessPolicy, *, mirror_newest: datetime | None
 ) -> dg.AssetCheckResult:
     """Lag at the hour's end: a past hour is judged by what the mirror held once it closed."""
     reference = min(result.finished_at, result.slice.hour_end)
     allowed = timedelta(minutes=policy.max_lag_minutes)
     metadata: dict = {"max_lag_minutes": policy.max_lag_minutes}
     if mirror_newest is None:
-        return dg.AssetCheckResult(
-            check_name=FRESHNESS,
-            passed=True,
-            severity=_severity(policy),
-            description="The mirror holds no change with a source timestamp yet.",
-            metadata=metadata,
-        )
+        note = "The mirror holds no change with a source timestamp yet."
+        return _verdict(FRESHNESS, policy, [], metadata, note=note)
     lag = max(reference - mirror_newest, timedelta(0))
-    passed = lag <= allowed
-    return dg.AssetCheckResult(
-        check_name=FRESHNESS,
-        passed=passed,
-        severity=_severity(policy),
-        description=None
-        if passed
-        else (
+    problems = []
+    if lag > allowed:
+        problems.append(
             f"the newest source change in the mirror is {lag} older than "
             f"{reference.isoformat()}, more than the allowed {allowed}"
-        ),
-        metadata={
+        )
+    return _verdict(
+        FRESHNESS,
+        policy,
+        problems,
+        {
             **metadata,
             "lag_minutes": dg.MetadataValue.float(round(lag.total_seconds() / 60, 2)),
             "newest_source_ts": dg.MetadataValue.timestamp(mirror_newest),
@@ -208,17 +214,14 @@ def freshness_result(
     )
 
 
-def schema_drift_result(result: HourResult, spec: TableSpec, policy) -> dg.AssetCheckResult:
+def schema_drift_result(
+    result: HourResult, spec: TableSpec, policy: CheckPolicy
+) -> dg.AssetCheckResult:
     observed = result.source_fields
     metadata: dict = {"source_columns": dg.MetadataValue.json(observed)}
     if not observed:
-        return dg.AssetCheckResult(
-            check_name=SCHEMA_DRIFT,
-            passed=True,
-            severity=_severity(policy),
-            description="No insert, update or snapshot row in this hour to compare.",
-            metadata=metadata,
-        )
+        note = "No insert, update or snapshot row in this hour to compare."
+        return _verdict(SCHEMA_DRIFT, policy, [], metadata, note=note)
     appeared = sorted(set(observed) - set(spec.columns))
     vanished = sorted(set(spec.columns) - set(observed))
     changed = {
@@ -236,12 +239,11 @@ def schema_drift_result(result: HourResult, spec: TableSpec, policy) -> dg.Asset
             "columns arriving with another type: "
             + ", ".join(f"{c} as {kind}" for c, kind in sorted(changed.items()))
         )
-    return dg.AssetCheckResult(
-        check_name=SCHEMA_DRIFT,
-        passed=not problems,
-        severity=_severity(policy),
-        description="; ".join(problems) or None,
-        metadata={
+    return _verdict(
+        SCHEMA_DRIFT,
+        policy,
+        problems,
+        {
             **metadata,
             "appeared": ", ".join(appeared),
             "vanished": ", ".join(vanished),
@@ -257,7 +259,7 @@ def retention_risk_result(
     log_starts: dict[int, int],
     retention: TopicRetention,
     now: datetime,
-    policy,
+    policy: RetentionPolicy,
 ) -> dg.AssetCheckResult:
     """Whether the hour's recorded start offsets are still in Kafka, and for how long.
 
@@ -271,24 +273,15 @@ def retention_risk_result(
         "min_hours_left": dg.MetadataValue.float(float(policy.min_hours_left)),
     }
     if recorded_starts is None:
-        return dg.AssetCheckResult(
-            check_name=RETENTION_RISK,
-            passed=False,
-            severity=_severity(policy),
-            description=f"hour {hour_key} has no recorded run, so its offsets are unknown",
-            metadata=metadata,
-        )
+        unknown = f"hour {hour_key} has no recorded run, so its offsets are unknown"
+        return _verdict(RETENTION_RISK, policy, [unknown], metadata)
     deleted = {
         p: (start, log_starts[p])
         for p, start in sorted(recorded_starts.items())
         if p in log_starts and start < log_starts[p]
     }
-    metadata["start_offsets"] = dg.MetadataValue.json(
-        {str(p): o for p, o in sorted(recorded_starts.items())}
-    )
-    metadata["log_start_offsets"] = dg.MetadataValue.json(
-        {str(p): o for p, o in sorted(log_starts.items())}
-    )
+    metadata["start_offsets"] = _offsets(recorded_starts)
+    metadata["log_start_offsets"] = _offsets(log_starts)
     problems = [
         f"partition {p}: offsets [{start}, {log_start}) are already deleted"
         for p, (start, log_start) in deleted.items()
@@ -304,10 +297,4 @@ def retention_risk_result(
                 f"Kafka may delete the hour's offsets from {expires.isoformat()} "
                 f"({hours_left:.1f} h from now, fewer than {policy.min_hours_left:g})"
             )
-    return dg.AssetCheckResult(
-        check_name=RETENTION_RISK,
-        passed=not problems,
-        severity=_severity(policy),
-        description="; ".join(problems) or None,
-        metadata=metadata,
-    )
+    return _verdict(RETENTION_RISK, policy, problems, metadata)
