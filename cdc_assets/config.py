@@ -38,6 +38,7 @@ _HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
 
 # Names of the checks every table has; expectations are named '<column>_<expect>'.
 RESERVED_CHECK_NAMES = (
+    "complete_hour",
     "accounting",
     "continuity",
     "error_rate",
@@ -194,6 +195,7 @@ class ChecksConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    complete_hour: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     accounting: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     continuity: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     error_rate: ErrorRatePolicy = ErrorRatePolicy()

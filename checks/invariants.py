@@ -1,5 +1,8 @@
 """The pipeline's own invariants as asset checks, evaluated on every hour a run materializes.
 
+- complete_hour (I5): the hour was read after it closed. A run forced on an open hour
+  (`force_open_hour`) is partial; it fails this check (blocking by default), so nothing
+  downstream builds on it until the hour is run again once it has closed.
 - accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
   change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
   marker, or an error; no category is negative; and no more messages were read than the slice
@@ -37,6 +40,7 @@ from cdc_assets.decode import kind_fits
 from cdc_assets.hour_run import HourResult, hour_start
 from resources.kafka import TopicRetention
 
+COMPLETE_HOUR = "complete_hour"
 ACCOUNTING = "accounting"
 CONTINUITY = "continuity"
 ERROR_RATE = "error_rate"
@@ -45,6 +49,7 @@ SCHEMA_DRIFT = "schema_drift"
 RETENTION_RISK = "retention_risk"
 
 DESCRIPTIONS = {
+    COMPLETE_HOUR: "The hour had closed when it was read: not a partial, forced-open hour (I5).",
     ACCOUNTING: "Every consumed message is applied, superseded, stale, a tombstone or an error.",
     CONTINUITY: "The hour starts where the previous hour ended, partition by partition (I1).",
     ERROR_RATE: "The share of the hour's records quarantined in the error table is within bounds.",
@@ -53,7 +58,7 @@ DESCRIPTIONS = {
     RETENTION_RISK: "Kafka still holds the hour's offsets long enough to replay it (I6).",
 }
 # Checks computed inside the asset's run, from what the run saw.
-RUN_CHECKS = (ACCOUNTING, CONTINUITY, ERROR_RATE, FRESHNESS, SCHEMA_DRIFT)
+RUN_CHECKS = (COMPLETE_HOUR, ACCOUNTING, CONTINUITY, ERROR_RATE, FRESHNESS, SCHEMA_DRIFT)
 
 
 def _verdict(
@@ -86,6 +91,24 @@ def invariant_check_specs(
         )
         for name in RUN_CHECKS
     ]
+
+
+def complete_hour_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
+    problems = []
+    if result.partial:
+        problems.append(
+            f"hour {result.hour_key} was read while still open ({result.slice.open_reason}); "
+            "the result is partial. Run the hour again after it closes to complete it."
+        )
+    return _verdict(
+        COMPLETE_HOUR,
+        policy,
+        problems,
+        {
+            "partial_hour": result.partial,
+            "hour_end": dg.MetadataValue.timestamp(result.slice.hour_end),
+        },
+    )
 
 
 def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:

@@ -21,6 +21,7 @@ from checks.invariants import (
     DESCRIPTIONS,
     RETENTION_RISK,
     accounting_result,
+    complete_hour_result,
     continuity_result,
     error_rate_result,
     freshness_result,
@@ -76,6 +77,7 @@ def evaluate_run_checks(
     """The results of `run_check_specs` for one hour's run, in the same order."""
     policies = spec.checks
     results = [
+        complete_hour_result(result, policies.complete_hour),
         accounting_result(result, policies.accounting),
         continuity_result(result, policies.continuity),
         error_rate_result(result, policies.error_rate),

@@ -116,10 +116,15 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
         partition_key=key,
         resources=resources,
         run_config={"ops": {"accounts": {"config": {"force_open_hour": True}}}},
+        raise_on_error=False,
     )
     materialization = forced.asset_materializations_for_node("accounts")[0]
     assert materialization.metadata["partial_hour"].value is True
     assert materialization.metadata["applied"].value == 1
+    # The partial hour is written but fails its blocking check: nothing downstream builds on it.
+    complete = {c.check_name: c for c in forced.get_asset_check_evaluations()}["complete_hour"]
+    assert not complete.passed and "still open" in complete.description
+    assert not forced.success
 
 
 def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(

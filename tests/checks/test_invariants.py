@@ -20,6 +20,7 @@ from cdc_assets.hour_run import HourCounts, HourResult
 from cdc_assets.slicing import HourSlice, PartitionSlice
 from checks.invariants import (
     accounting_result,
+    complete_hour_result,
     continuity_result,
     error_rate_result,
     freshness_result,
@@ -64,6 +65,20 @@ def _result(
 
 
 BALANCED = HourCounts(consumed=10, applied=4, superseded=2, stale=1, tombstones=1, errors=2)
+
+
+def test_a_forced_open_hour_fails_complete_hour():
+    closed = _result()
+    assert complete_hour_result(closed, POLICY).passed
+    still_open = replace(
+        closed,
+        partial=True,
+        slice=replace(closed.slice, closed=False, open_reason="partitions [1] hold no message"),
+    )
+    check = complete_hour_result(still_open, POLICY)
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+    assert "partitions [1] hold no message" in check.description
+    assert "again after it closes" in check.description
 
 
 def test_balanced_counts_pass():
