@@ -1,12 +1,19 @@
-"""Writes `DemoRecord`s to Kafka, and a command line that seeds the demo topics.
+"""Writes `DemoRecord`s to Kafka, and a command line that seeds or follows the demo topics.
 
 Keys are partitioned by kafka-python's default partitioner (murmur2, as in the Java client),
 so one primary key always lands in one partition. Records carry their own CreateTime
 (`DemoRecord.timestamp_ms`), late ones included.
 
-Command line (seeds the last N closed UTC hours)::
+Command line, once (seeds the last N closed UTC hours, default 6, and exits)::
 
     python -m demo.produce --bootstrap 127.0.0.1:19092 --hours 6 --changes-per-hour 200 --seed 7
+
+or live (`demo.live`: seeds the last N closed hours, default 3, on its first start, then keeps
+writing the current hour's changes as the clock reaches them, until SIGTERM or SIGINT; the
+source database persists in the state file, so a restart continues it)::
+
+    python -m demo.produce --follow --state .local/demo/source.pickle --hours 3 \
+        --changes-per-hour 200 --bootstrap 127.0.0.1:19092
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.errors import TopicAlreadyExistsError
@@ -27,6 +35,7 @@ from demo.source import RECORD_KINDS, DemoRecord, DemoSource
 # CreateTime is Kafka's default; stated so a broker default of LogAppendTime cannot replace
 # the demo's (deliberately late) producer timestamps.
 DEFAULT_TOPIC_CONFIGS: Mapping[str, str] = {"message.timestamp.type": "CreateTime"}
+DEFAULT_STATE_FILE = Path(__file__).resolve().parents[1] / ".local" / "demo" / "source.pickle"
 _SEND_TIMEOUT_S = 60
 
 
@@ -65,6 +74,20 @@ def ensure_topics(
     return missing
 
 
+def new_producer(bootstrap_servers: str, client_id: str) -> KafkaProducer:
+    """A producer that keeps each partition's records in send order, acknowledged by all."""
+    return KafkaProducer(
+        bootstrap_servers=bootstrap_servers,
+        client_id=client_id,
+        acks="all",
+        linger_ms=5,
+        # Without idempotence, one request in flight keeps retries from reordering records.
+        enable_idempotence=False,
+        max_in_flight_requests_per_connection=1,
+        retries=5,
+    )
+
+
 def produce(
     records: Iterable[DemoRecord],
     bootstrap_servers: str,
@@ -91,16 +114,7 @@ def produce(
             )
         finally:
             admin.close()
-    producer = KafkaProducer(
-        bootstrap_servers=bootstrap_servers,
-        client_id="demo-producer",
-        acks="all",
-        linger_ms=5,
-        # Without idempotence, one request in flight keeps retries from reordering records.
-        enable_idempotence=False,
-        max_in_flight_requests_per_connection=1,
-        retries=5,
-    )
+    producer = new_producer(bootstrap_servers, "demo-producer")
     try:
         futures = [
             producer.send(r.topic, key=r.key, value=r.value, timestamp_ms=r.timestamp_ms)
@@ -144,12 +158,17 @@ def summarize(produced: Sequence[ProducedRecord]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Seeds the demo topics with the last N closed hours of changes."""
+    """Seeds the demo topics with the last N closed hours of changes, or follows the clock."""
     parser = argparse.ArgumentParser(
         prog="python -m demo.produce", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--bootstrap", default="127.0.0.1:19092", help="Kafka bootstrap servers")
-    parser.add_argument("--hours", type=int, default=6, help="closed UTC hours to seed")
+    parser.add_argument(
+        "--hours",
+        type=int,
+        default=None,
+        help="closed UTC hours to seed (default 6; with --follow 3, and only on the first start)",
+    )
     parser.add_argument("--changes-per-hour", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--partitions", type=int, default=3, help="for topics created here")
@@ -159,7 +178,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="orders",
         help="comma-separated tables sent with the schema/payload wrapper ('' for none)",
     )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep producing the current hour's changes live, until SIGTERM or SIGINT",
+    )
+    parser.add_argument(
+        "--state",
+        default=str(DEFAULT_STATE_FILE),
+        help="with --follow: the source database's state file, continued on restart",
+    )
+    parser.add_argument(
+        "--max-catch-up-hours",
+        type=int,
+        default=24,
+        help="with --follow: most missed hours generated on restart (older ones stay empty)",
+    )
     args = parser.parse_args(argv)
+    if args.changes_per_hour < 1:
+        parser.error("--changes-per-hour must be at least 1")
+    if args.follow:
+        args.hours = 3 if args.hours is None else args.hours
+        if args.hours < 0 or args.max_catch_up_hours < 0:
+            parser.error("--hours and --max-catch-up-hours must not be negative")
+        # Imported here: demo.live builds on this module.
+        from demo import live
+
+        return live.run(args)
+    args.hours = 6 if args.hours is None else args.hours
     if args.hours < 1:
         parser.error("--hours must be at least 1")
 
