@@ -228,6 +228,15 @@ class TableSpec(BaseModel):
     )
     start_hour: str = Field(description="First hourly partition, 'YYYY-MM-DD-HH:00' in UTC.")
     allowed_lateness_minutes: int = Field(default=15, ge=0)
+    hours_per_run: int = Field(
+        default=24,
+        ge=1,
+        le=24 * 31,
+        description=(
+            "Most hours one run materializes: a backfill or a sensor catching up splits its "
+            "range into runs of at most this many hours, each in one Spark session."
+        ),
+    )
     accept_data_loss: bool = Field(
         default=False,
         description="Run hours whose offsets retention already deleted, reporting the loss.",

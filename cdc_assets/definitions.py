@@ -11,6 +11,7 @@ from cdc_assets.factory import build_retention_check_for, build_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
+from sensors.offset_progress import build_offset_sensor
 
 TABLES_FILE_ENV = "CDC_TABLES_FILE"
 
@@ -19,6 +20,7 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
     return dg.Definitions(
         assets=[build_table_asset(spec=spec) for spec in specs],
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
+        sensors=[build_offset_sensor(spec=spec) for spec in specs],
         # One process and one Spark session for all the assets of a run.
         executor=dg.in_process_executor,
         resources={

@@ -1,11 +1,26 @@
-"""The asset factory: one hourly-partitioned Delta mirror asset per table spec."""
+"""The asset factory: one hourly-partitioned Delta mirror asset per table spec.
+
+A run materializes one hour, or a range of hours (a backfill, or the offset sensor catching
+up), hour after hour in one process and one Spark session: each hour is still its own slice,
+its own MERGE commit, its own metadata and its own check results, so a range gives exactly
+what running its hours one by one gives.
+"""
+
+import warnings
+from collections.abc import Iterator
 
 import dagster as dg
 from pydantic import Field
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import HourResult, run_hour
-from checks.table_checks import build_retention_check, evaluate_run_checks, run_check_specs
+from cdc_assets.hour_run import HourResult, SequenceConfigError, run_hour
+from cdc_assets.slicing import SliceError
+from checks.table_checks import (
+    build_retention_check,
+    evaluate_run_checks,
+    hour_check_evaluation,
+    run_check_specs,
+)
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -79,57 +94,126 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
     )
 
     partitions_def = hourly_partitions(spec)
+    check_specs = run_check_specs(spec, partitions_def=partitions_def)
+    blocking = {check.name: check.blocking for check in check_specs}
 
-    @dg.asset(
-        name=spec.name,
-        description=description,
-        group_name=spec.group,
-        partitions_def=partitions_def,
-        check_specs=run_check_specs(spec, partitions_def=partitions_def),
-        kinds={"kafka", "spark", "delta"},
-        pool=table_pool(spec),
-        metadata={
-            "kafka_topic": spec.topic,
-            "primary_key": ", ".join(spec.primary_key),
-            "delete_mode": spec.delete_mode,
-            "error_table": spec.error_table_name,
-        },
-    )
-    def _mirror(
-        context: dg.AssetExecutionContext,
-        config: HourRunConfig,
-        kafka: KafkaResource,
-        spark: SparkResource,
-        lake: LakeResource,
-    ) -> dg.MaterializeResult:
+    with warnings.catch_warnings():
+        # BackfillPolicy is a beta API; dagster is pinned, so the warning says nothing new.
+        warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*backfill_policy")
+
+        @dg.asset(
+            name=spec.name,
+            description=description,
+            group_name=spec.group,
+            partitions_def=partitions_def,
+            check_specs=check_specs,
+            kinds={"kafka", "spark", "delta"},
+            pool=table_pool(spec),
+            # A backfill runs as few runs as possible, each over a bounded range of hours.
+            backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=spec.hours_per_run),
+            # Transient failures (a broker or Spark hiccup) are retried; a wrong slice or config
+            # is raised as a Failure that is not (see _hour).
+            retry_policy=dg.RetryPolicy(
+                max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
+            ),
+            metadata={
+                "kafka_topic": spec.topic,
+                "primary_key": ", ".join(spec.primary_key),
+                "delete_mode": spec.delete_mode,
+                "error_table": spec.error_table_name,
+            },
+        )
+        def _mirror(
+            context: dg.AssetExecutionContext,
+            config: HourRunConfig,
+            kafka: KafkaResource,
+            spark: SparkResource,
+            lake: LakeResource,
+        ) -> Iterator:
+            path = lake.table_path(spec.name)
+            hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
+            for hour_key in context.partition_keys:
+                result = _hour(context, spec, hour_key, config, kafka, spark, lake, done=hours)
+                checks = evaluate_run_checks(
+                    spark=spark.session, spec=spec, path=path, result=result
+                )
+                hours.append((result, checks))
+
+            if context.has_partition_key:
+                ((result, checks),) = hours
+                yield dg.MaterializeResult(
+                    metadata=result_metadata(result, table_path=path), check_results=checks
+                )
+                return
+            # A range: each hour's materialization carries that hour's metadata, and each check
+            # result is recorded against its hour once the materializations exist.
+            for result, _ in hours:
+                context.add_asset_metadata(
+                    result_metadata(result, table_path=path), partition_key=result.hour_key
+                )
+            yield dg.MaterializeResult()
+            selected = context.selected_asset_check_keys
+            for check_spec in check_specs:
+                if check_spec.key in selected:
+                    # The check's output, once for the run; its results follow, one per hour.
+                    yield dg.Output(None, output_name=check_spec.get_python_identifier())
+            for result, checks in hours:
+                for check in checks:
+                    if dg.AssetCheckKey(dg.AssetKey(spec.name), check.check_name) not in selected:
+                        continue
+                    yield hour_check_evaluation(
+                        context,
+                        check,
+                        spec=spec,
+                        hour_key=result.hour_key,
+                        blocking=blocking[check.check_name],
+                    )
+
+    return _mirror
+
+
+def _hour(
+    context: dg.AssetExecutionContext,
+    spec: TableSpec,
+    hour_key: str,
+    config: HourRunConfig,
+    kafka: KafkaResource,
+    spark: SparkResource,
+    lake: LakeResource,
+    *,
+    done: list,
+) -> HourResult:
+    """Runs one hour of the run's range; a wrong slice or config fails without retries."""
+    try:
         result = run_hour(
             spark=spark.session,
             kafka=kafka,
             lake=lake,
             spec=spec,
-            hour_key=context.partition_key,
+            hour_key=hour_key,
             force_open_hour=config.force_open_hour,
         )
-        counts = result.counts
-        context.log.info(
-            f"{spec.name} {result.hour_key}: consumed {counts.consumed}, applied "
-            f"{counts.applied}, superseded {counts.superseded}, stale {counts.stale}, "
-            f"tombstones {counts.tombstones}, errors {counts.errors}; "
-            f"Delta version {result.delta_version}"
-        )
-        if result.partial:
-            context.log.warning(
-                f"{spec.name} {result.hour_key} was forced while open: the result is partial."
+    except (SliceError, SequenceConfigError) as exc:
+        written = ""
+        if done:
+            written = (
+                f" The run's earlier hours {done[0][0].hour_key} to {done[-1][0].hour_key} are "
+                "committed to Delta; running them again finds their changes already applied."
             )
-        path = lake.table_path(spec.name)
-        return dg.MaterializeResult(
-            metadata=result_metadata(result, table_path=path),
-            check_results=evaluate_run_checks(
-                spark=spark.session, spec=spec, path=path, result=result
-            ),
+        # Retrying can't help: the hour is open, its offsets are gone, or the config is wrong.
+        raise dg.Failure(description=f"{exc}{written}", allow_retries=False) from exc
+    counts = result.counts
+    context.log.info(
+        f"{spec.name} {result.hour_key}: consumed {counts.consumed}, applied "
+        f"{counts.applied}, superseded {counts.superseded}, stale {counts.stale}, "
+        f"tombstones {counts.tombstones}, errors {counts.errors}; "
+        f"Delta version {result.delta_version}"
+    )
+    if result.partial:
+        context.log.warning(
+            f"{spec.name} {result.hour_key} was forced while open: the result is partial."
         )
-
-    return _mirror
+    return result
 
 
 def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:

@@ -145,7 +145,7 @@ def run_hour(
     path = lake.table_path(spec.name)
     last_version, history = hour_history(spark, path)
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
-    consumer = kafka.consumer()
+    consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:
         hour_slice = compute_slice(
             consumer,
@@ -155,9 +155,11 @@ def run_hour(
             now=now,
             allowed_lateness=timedelta(minutes=spec.allowed_lateness_minutes),
             known_starts=known_starts(history, hour_key, previous_end),
+            uncommitted=uncommitted,
         )
     finally:
         consumer.close()
+        uncommitted.close()
 
     if not hour_slice.closed and not force_open_hour:
         raise OpenHourError(

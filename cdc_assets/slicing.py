@@ -18,8 +18,12 @@ falls between two hours.
 
 An hour is closed (I5) when each partition has moved past it, i.e. holds a message stamped at
 or after t1 within its committed range, or has been idle past the table's allowed lateness.
+A partition with an open transaction (its last stable offset below its high watermark) is not
+idle: the transaction may still commit records of the hour, so it keeps the hour open until it
+ends (Kafka aborts a transaction after its timeout, 15 minutes at most by default).
 An open hour is only sliced when a person forces it; its end offsets are then the current
-ends and the result says so.
+ends and the result says so. `cdc_assets/slicing.py` is the one place this rule lives: the
+offset sensor (sensors/) applies the same `open_reason` before it requests an hour.
 
 Retention (I6): Kafka's log start offset tells which offsets are gone. When what we know of
 the hour's true start (a previous run of this hour, or the end of the hour before) lies below
@@ -108,6 +112,46 @@ def _to_ms(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
+def open_reason(
+    *,
+    hour_end: datetime,
+    now: datetime,
+    allowed_lateness: timedelta,
+    waiting: list[int],
+    in_transaction: list[int],
+) -> str | None:
+    """Why the hour that ends at `hour_end` is still open, or None when it has closed.
+
+    `waiting`: partitions holding no committed message stamped at or after `hour_end`;
+    `in_transaction`: those of them with an open transaction.
+    """
+    if now < hour_end:
+        return f"the hour ends at {hour_end.isoformat()}, after now ({now.isoformat()})"
+    if in_transaction:
+        return (
+            f"partitions {in_transaction} have an open transaction that may still commit "
+            "records of the hour"
+        )
+    if waiting and now < hour_end + allowed_lateness:
+        return (
+            f"partitions {waiting} hold no committed message stamped at or after "
+            f"{hour_end.isoformat()} yet, and the allowed lateness of {allowed_lateness} "
+            f"runs until {(hour_end + allowed_lateness).isoformat()}"
+        )
+    return None
+
+
+def open_transactions(
+    consumer: KafkaConsumer, stable_ends: Mapping[TopicPartition, int]
+) -> set[TopicPartition]:
+    """Partitions whose last stable offset (read_committed end) lies below the high watermark.
+
+    `consumer` must read uncommitted, so that its end offsets are the high watermarks.
+    """
+    high_watermarks = consumer.end_offsets(list(stable_ends))
+    return {tp for tp, stable in stable_ends.items() if high_watermarks[tp] > stable}
+
+
 def compute_slice(
     consumer: KafkaConsumer,
     *,
@@ -117,12 +161,14 @@ def compute_slice(
     now: datetime,
     allowed_lateness: timedelta,
     known_starts: Mapping[int, int] | None = None,
+    uncommitted: KafkaConsumer | None = None,
 ) -> HourSlice:
     """Looks up the hour's offsets per partition and decides whether it has closed.
 
     `known_starts` holds, per partition, where this hour begins by earlier runs (the end of
     the previous hour, or this hour's last start); the slice starts there, and data loss is
-    reported exactly from it.
+    reported exactly from it. `uncommitted` (a read_uncommitted consumer) finds open
+    transactions, which keep the hour open.
     """
     hour_end = hour_start + timedelta(hours=1)
     partition_ids = consumer.partitions_for_topic(topic)
@@ -138,9 +184,9 @@ def compute_slice(
     at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
     # Last stable offsets (read_committed), fetched last: every offset found above lies below.
     stable_ends = consumer.end_offsets(tps)
+    pending = open_transactions(uncommitted, stable_ends) if uncommitted is not None else set()
 
-    lateness_passed = now >= hour_end + allowed_lateness
-    slices, waiting = [], []
+    slices, waiting, in_transaction = [], [], []
     for tp in tps:
         stable_end = stable_ends[tp]
         end = at_end[tp].offset if at_end[tp] is not None else stable_end
@@ -150,8 +196,10 @@ def compute_slice(
             start = at_start[tp].offset if at_start[tp] is not None else stable_end
         # Never read below what retention left; the loss is reported below.
         start = min(max(start, log_starts[tp]), end)
-        if not (moved_past or lateness_passed):
+        if not moved_past:
             waiting.append(tp.partition)
+            if tp in pending:
+                in_transaction.append(tp.partition)
         slices.append(
             PartitionSlice(
                 partition=tp.partition,
@@ -161,22 +209,20 @@ def compute_slice(
                 moved_past=moved_past,
             )
         )
-    open_reason = None
-    if now < hour_end:
-        open_reason = f"the hour ends at {hour_end.isoformat()}, after now ({now.isoformat()})"
-    elif waiting:
-        open_reason = (
-            f"partitions {waiting} hold no committed message stamped at or after "
-            f"{hour_end.isoformat()} yet, and the allowed lateness of {allowed_lateness} "
-            f"runs until {(hour_end + allowed_lateness).isoformat()}"
-        )
+    reason = open_reason(
+        hour_end=hour_end,
+        now=now,
+        allowed_lateness=allowed_lateness,
+        waiting=waiting,
+        in_transaction=in_transaction,
+    )
     return HourSlice(
         topic=topic,
         hour_start=hour_start,
         hour_end=hour_end,
         partitions=tuple(slices),
-        closed=open_reason is None,
-        open_reason=open_reason,
+        closed=reason is None,
+        open_reason=reason,
         lost=tuple(_lost_ranges(slices, known_starts)),
     )
 

@@ -8,6 +8,12 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import dagster as dg
+
+# Dagster records a check result against one partition only through this event; a range run
+# (a backfill) has no public way to name the hour a result belongs to.
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 from kafka import TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -20,6 +26,7 @@ from checks.expectations import expectation_check_specs, table_expectations, val
 from checks.invariants import (
     DESCRIPTIONS,
     RETENTION_RISK,
+    RUN_CHECKS,
     accounting_result,
     complete_hour_result,
     continuity_result,
@@ -55,6 +62,11 @@ def run_check_specs(
             *invariant_check_specs(spec, asset_key=key, partitions_def=partitions_def),
             *expectation_check_specs(spec, asset_key=key, partitions_def=partitions_def),
         ]
+
+
+def run_check_names(spec: TableSpec) -> list[str]:
+    """The names of `run_check_specs`: the checks every run of the asset evaluates."""
+    return [*RUN_CHECKS, *(e.name for e in table_expectations(spec))]
 
 
 def mirror_newest_source_ts(spark: SparkSession, path: str, version: int | None) -> datetime | None:
@@ -99,6 +111,44 @@ def evaluate_run_checks(
     return results
 
 
+def hour_check_evaluation(
+    context: dg.AssetExecutionContext,
+    check: dg.AssetCheckResult,
+    *,
+    spec: TableSpec,
+    hour_key: str,
+    blocking: bool,
+) -> dg.AssetCheckEvaluation:
+    """`check` as the result of hour `hour_key`, for a run that materialized a range of hours.
+
+    It names the hour's materialization it judged (the one this run just recorded), so Dagster
+    counts it as current: the UI shows it under that hour, and the downstream assets'
+    `all_deps_blocking_checks_passed` sees it.
+    """
+    asset_key = dg.AssetKey(spec.name)
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[hour_key]), limit=1
+    ).records
+    target = None
+    if records:
+        target = AssetCheckEvaluationTargetMaterializationData(
+            storage_id=records[0].storage_id,
+            run_id=records[0].run_id,
+            timestamp=records[0].timestamp,
+        )
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=check.check_name,
+        passed=check.passed,
+        metadata=check.metadata,
+        target_materialization_data=target,
+        severity=check.severity,
+        description=check.description,
+        blocking=blocking,
+        partition=hour_key,
+    )
+
+
 def build_retention_check(
     *, spec: TableSpec, partitions_def: dg.PartitionsDefinition
 ) -> dg.AssetChecksDefinition:
@@ -124,7 +174,6 @@ def _retention_check(spec: TableSpec, partitions_def, policy) -> dg.AssetChecksD
         spark: SparkResource,
         lake: LakeResource,
     ) -> dg.AssetCheckResult:
-        hour_key = context.partition_key
         _, history = hour_history(spark.session, lake.table_path(spec.name))
         consumer = kafka.consumer()
         try:
@@ -133,13 +182,32 @@ def _retention_check(spec: TableSpec, partitions_def, policy) -> dg.AssetChecksD
             log_starts = {tp.partition: o for tp, o in consumer.beginning_offsets(tps).items()}
         finally:
             consumer.close()
-        return retention_risk_result(
-            hour_key=hour_key,
-            recorded_starts=recorded_offsets(history, hour_key, "start"),
-            log_starts=log_starts,
-            retention=kafka.topic_retention(spec.topic),
-            now=datetime.now(UTC),
-            policy=policy,
+        retention, now = kafka.topic_retention(spec.topic), datetime.now(UTC)
+        results = [
+            retention_risk_result(
+                hour_key=hour_key,
+                recorded_starts=recorded_offsets(history, hour_key, "start"),
+                log_starts=log_starts,
+                retention=retention,
+                now=now,
+                policy=policy,
+            )
+            for hour_key in context.partition_keys
+        ]
+        if context.has_partition_key:
+            return results[0]
+        # A range run (a backfill that selected this check): Dagster records one result for
+        # the run, not one per hour, so it speaks for every hour of the range.
+        failing = [
+            (k, r) for k, r in zip(context.partition_keys, results, strict=True) if not r.passed
+        ]
+        return dg.AssetCheckResult(
+            passed=not failing,
+            severity=dg.AssetCheckSeverity(policy.severity),
+            description="; ".join(f"{k}: {r.description}" for k, r in failing)
+            or f"every hour from {context.partition_keys[0]} to {context.partition_keys[-1]} "
+            "can still be replayed",
+            metadata={"hours": len(results), "hours_at_risk": len(failing)},
         )
 
     return _retention_risk

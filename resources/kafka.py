@@ -83,12 +83,15 @@ class KafkaResource(dg.ConfigurableResource):
             settings["ssl_cafile"] = self.ssl_cafile
         return settings
 
-    def consumer(self) -> KafkaConsumer:
-        """A consumer for offset lookups only: no group, no commits, committed reads."""
+    def consumer(self, *, committed: bool = True) -> KafkaConsumer:
+        """A consumer for offset lookups only: no group, no commits, committed reads.
+
+        `committed=False` reads uncommitted, to see high watermarks (open transactions).
+        """
         return KafkaConsumer(
             enable_auto_commit=False,
             group_id=None,
-            isolation_level="read_committed",
+            isolation_level="read_committed" if committed else "read_uncommitted",
             **self._client_settings(),
         )
 

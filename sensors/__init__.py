@@ -1,4 +1,2 @@
-"""Sensors that watch Kafka offset progress and launch closed hours (issue 4; none yet).
-
-Until they land, hours are materialized from the Dagster UI or `dg.materialize`.
-"""
+"""Sensors: the offset-progress sensor of each mirror (offset_progress) launches every hour once
+Kafka shows it closed, and the automation sensor (downstream) builds the downstream assets."""

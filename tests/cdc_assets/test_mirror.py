@@ -7,6 +7,7 @@ Python, no code shared with the pipeline) and against the demo source database's
 from __future__ import annotations
 
 import random
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
@@ -35,11 +36,21 @@ HOURS = 4
 CHANGES_PER_HOUR = 120
 
 
-@pytest.fixture
-def demo(broker, topic_prefix):
-    specs = demo_specs(topic_prefix)
+@pytest.fixture(scope="module")
+def demo(broker):
+    """The demo topics, seeded once for the module (each test writes its own lake)."""
+    specs = demo_specs(f"mirror{uuid.uuid4().hex[:8]}")
     source, produced = seed_demo(broker, specs, hours=HOURS, changes_per_hour=CHANGES_PER_HOUR)
     return specs, source, produced, hour_keys(FIRST_HOUR, HOURS)
+
+
+@pytest.fixture(scope="module")
+def in_order(demo, kafka, spark_resource, tmp_path_factory):
+    """The demo hours materialized one run per hour, in order: the reference run."""
+    specs, _, _, keys = demo
+    lake = LakeResource(root=str(tmp_path_factory.mktemp("in_order") / "lake"))
+    metadata = _materialize(specs, keys, kafka=kafka, spark_resource=spark_resource, lake=lake)
+    return lake, metadata
 
 
 def _materialize(specs, keys, *, kafka, spark_resource, lake):
@@ -73,9 +84,9 @@ def _materialize(specs, keys, *, kafka, spark_resource, lake):
     return metadata
 
 
-def test_every_demo_table_matches_the_source(demo, broker, kafka, spark, spark_resource, lake):
+def test_every_demo_table_matches_the_source(demo, in_order, broker, spark):
     specs, source, produced, keys = demo
-    metadata = _materialize(specs, keys, kafka=kafka, spark_resource=spark_resource, lake=lake)
+    lake, metadata = in_order
 
     for spec in specs:
         records = read_topic(broker, spec.topic)
@@ -161,21 +172,67 @@ def _check_slices(slices, records) -> int:
     return misplaced
 
 
-def test_reruns_and_any_hour_order_converge(demo, kafka, spark, spark_resource, tmp_path):
+def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, spark_resource, tmp_path):
     specs, source, _, keys = demo
-    in_order = LakeResource(root=str(tmp_path / "in_order"))
+    reference, _ = in_order
     shuffled = LakeResource(root=str(tmp_path / "shuffled"))
-    _materialize(specs, keys, kafka=kafka, spark_resource=spark_resource, lake=in_order)
-
     # Later hours first, then everything again in a random order with repeats.
     order = list(reversed(keys)) + random.Random(3).sample(keys, len(keys)) + keys[:1]
     _materialize(specs, order, kafka=kafka, spark_resource=spark_resource, lake=shuffled)
 
     for spec in specs:
-        expected = full_table(spark, in_order.table_path(spec.name))
+        expected = full_table(spark, reference.table_path(spec.name))
         actual = full_table(spark, shuffled.table_path(spec.name))
         assert actual == expected
         assert mirror_rows(spark, shuffled.table_path(spec.name), spec) == source.state(spec.name)
+
+
+# Per-run values: when the run finished, and where its lake is.
+_PER_RUN = {"lag_seconds", "newest_source_ts", "delta_path"}
+
+
+def test_a_backfill_range_equals_the_hours_run_one_by_one(
+    demo, in_order, kafka, spark, spark_resource, tmp_path
+):
+    """One run over the whole range (as a backfill or the sensor launches it) writes the same
+    tables, the same per-hour metadata and the same per-hour check results."""
+    specs, _, _, keys = demo
+    reference, hourly_metadata = in_order
+    lake = LakeResource(root=str(tmp_path / "backfill"))
+    result = dg.materialize(
+        [build_table_asset(spec=spec) for spec in specs],
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+        resources={"kafka": kafka, "spark": spark_resource, "lake": lake},
+    )
+    assert result.success
+    materializations = result.get_asset_materialization_events()
+    assert len(materializations) == len(specs) * len(keys)
+    for event in materializations:
+        materialization = event.event_specific_data.materialization
+        table, hour = materialization.asset_key.path[-1], materialization.partition
+        actual = {k: v.value for k, v in materialization.metadata.items() if k not in _PER_RUN}
+        expected = {k: v for k, v in hourly_metadata[(table, hour)].items() if k not in _PER_RUN}
+        assert actual == expected, (table, hour)
+
+    checks = result.get_asset_check_evaluations()
+    assert sorted((c.asset_key.path[-1], c.check_name, c.partition) for c in checks) == sorted(
+        (spec.name, check.name, key)
+        for spec in specs
+        for check in run_check_specs(spec, partitions_def=hourly_partitions(spec))
+        for key in keys
+    )
+    assert [c for c in checks if not c.passed] == []
+    # Each result points at its own hour's materialization, so Dagster counts it as current.
+    targets = {c.target_materialization_data.run_id for c in checks}
+    assert targets == {result.run_id}
+
+    for spec in specs:
+        assert full_table(spark, lake.table_path(spec.name)) == full_table(
+            spark, reference.table_path(spec.name)
+        )
 
 
 def test_rerunning_an_hour_leaves_rows_unchanged(demo, kafka, spark, spark_resource, lake):

@@ -1,0 +1,503 @@
+"""Offset-progress sensors: one per mirrored table, launching each hour once Kafka says it closed.
+
+Every tick looks at the table's topic and decides, hour by hour from the oldest hour it still
+watches up to now:
+
+- **closed**: the rule of `cdc_assets.slicing.open_reason`, the same one the run applies: every
+  partition holds a committed message stamped at or after the hour's end, or the end plus the
+  table's allowed lateness has passed; an open transaction keeps the hour open.
+- **requested once**: the hour's slice is [b(H), b(H+1)) per partition (offsets_for_times). Each
+  closed hour whose slice was not requested before is requested, consecutive hours together in
+  one run of at most `hours_per_run` hours (the asset runs a range hour by hour, in order).
+  The run key names the table, the hours and the end offsets, so Dagster starts a slice once;
+  when late data moves an hour's end (a partition that was idle when the hour closed by
+  lateness), the slice changes and the hour, and the hours after it whose start moved, run
+  again. An hour already materialized with the same slice (from the UI, or before the sensor's
+  cursor was reset) is not requested again.
+- **settled**: an hour whose every partition moved past its end can no longer change; it leaves
+  the cursor. An hour closed by lateness is watched for `watch_hours` more; late data that
+  arrives after that lands in the next hour to run (every hour starts where the previous
+  recorded run ended), so it is read once, never lost.
+
+The cursor (JSON: the oldest watched hour, and the slice requested per watched hour) is stored
+by Dagster with the sensor, so it survives daemon restarts. Each tick also records the table's
+consumer lag as an asset observation: committed messages the mirror has not read, and how many
+seconds the newest of them is ahead of the mirror.
+
+A Kafka that does not answer fails the tick within `kafka_timeout_seconds`, naming the table and
+the bootstrap servers; the cursor stays where it was, so the next tick starts over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+import dagster as dg
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+
+from cdc_assets.config import TableSpec
+from cdc_assets.hour_run import HOUR_KEY_FORMAT, hour_start
+from cdc_assets.slicing import open_reason, open_transactions
+from checks.table_checks import run_check_names
+from resources.kafka import KafkaResource
+
+# Catching up after a long outage happens over several ticks, a week of hours at a time.
+MAX_HOURS_PER_TICK = 24 * 7
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
+HOUR = timedelta(hours=1)
+
+T = TypeVar("T")
+
+
+class KafkaUnavailableError(RuntimeError):
+    """Kafka did not answer the sensor in time; the tick fails and the cursor stays."""
+
+
+def hour_key(moment: datetime) -> str:
+    return moment.strftime(HOUR_KEY_FORMAT)
+
+
+def floor_hour(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+@dataclass
+class Cursor:
+    """What the sensor has requested: the oldest hour it still watches, and per watched hour
+    the slice (`fingerprint`) it requested last."""
+
+    watch_from: str | None = None
+    requested: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: str | None) -> Cursor:
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(watch_from=data.get("watch_from"), requested=dict(data.get("requested", {})))
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"watch_from": self.watch_from, "requested": dict(sorted(self.requested.items()))},
+            sort_keys=True,
+        )
+
+
+@dataclass(frozen=True)
+class TopicProgress:
+    """One look at the topic: what a tick needs, read from Kafka in one go."""
+
+    partitions: tuple[int, ...]
+    log_starts: dict[int, int]
+    stable_ends: dict[int, int]  # read_committed end offsets (last stable offsets)
+    in_transaction: frozenset[int]  # partitions with an open transaction
+    # boundary hour start -> partition -> first committed offset stamped at or after it
+    # (None: no such message yet)
+    boundaries: dict[datetime, dict[int, int | None]]
+    newest_ms: dict[int, int]  # partition -> timestamp of its newest committed message
+    first_data_hour: datetime | None  # hour of the oldest message since the table's start
+
+
+@dataclass(frozen=True)
+class HourState:
+    key: str
+    start: dict[int, int]
+    end: dict[int, int]
+    moved_past: bool  # every partition holds a committed message stamped past the hour
+    open_reason: str | None
+
+    @property
+    def fingerprint(self) -> str:
+        return ",".join(f"{p}:{self.start[p]}-{self.end[p]}" for p in sorted(self.end))
+
+    @property
+    def offsets(self) -> dict[str, dict[str, int]]:
+        """As the materialization metadata `kafka_offsets` writes it."""
+        return {
+            str(p): {"start": self.start[p], "end": self.end[p], "records": self.end[p] - s}
+            for p, s in self.start.items()
+        }
+
+
+@dataclass(frozen=True)
+class HourRange:
+    hours: tuple[HourState, ...]
+
+    @property
+    def first(self) -> str:
+        return self.hours[0].key
+
+    @property
+    def last(self) -> str:
+        return self.hours[-1].key
+
+    def run_key(self, table: str) -> str:
+        ends = ",".join(f"{p}={o}" for p, o in sorted(self.hours[-1].end.items()))
+        span = self.first if len(self.hours) == 1 else f"{self.first}..{self.last}"
+        digest = hashlib.sha1("|".join(h.fingerprint for h in self.hours).encode()).hexdigest()
+        return f"{table}:{span}:ends[{ends}]:{digest[:10]}"
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    ranges: list[HourRange]
+    cursor: Cursor
+    hours: list[HourState]  # the closed hours looked at, oldest first
+    waiting: str | None  # why the oldest open hour is open
+
+
+def read_progress(
+    consumer: KafkaConsumer,
+    uncommitted: KafkaConsumer,
+    *,
+    table: str,
+    topic: str,
+    watch_from: datetime | None,
+    floor: datetime,
+    now: datetime,
+) -> TopicProgress:
+    """Reads what a tick needs from Kafka: offsets per hour boundary from `watch_from` (on the
+    first tick: the hour of the oldest message since `floor`) to now, log starts, stable ends.
+    """
+    ids = consumer.partitions_for_topic(topic)
+    if not ids:
+        raise RuntimeError(
+            f"table '{table}': topic '{topic}' does not exist or has no partitions on the "
+            "configured Kafka cluster; check the table's 'topic' setting and the cluster."
+        )
+    tps = [TopicPartition(topic, p) for p in sorted(ids)]
+    log_starts = consumer.beginning_offsets(tps)
+    first = consumer.offsets_for_times({tp: _ms(floor) for tp in tps})
+    first_ms = [ts.timestamp for ts in first.values() if ts is not None]
+    first_data_hour = max(floor_hour(_from_ms(min(first_ms))), floor) if first_ms else None
+    found: dict[datetime, dict[int, int | None]] = {}
+    start = watch_from or first_data_hour or floor_hour(now)
+    hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
+    for moment in (start + HOUR * n for n in range(hours + 1)):
+        at = consumer.offsets_for_times({tp: _ms(moment) for tp in tps})
+        found[moment] = {tp.partition: (None if at[tp] is None else at[tp].offset) for tp in tps}
+    # Fetched last: every offset found above lies below these.
+    stable_ends = consumer.end_offsets(tps)
+    pending = open_transactions(uncommitted, stable_ends)
+    return TopicProgress(
+        partitions=tuple(tp.partition for tp in tps),
+        log_starts={tp.partition: o for tp, o in log_starts.items()},
+        stable_ends={tp.partition: o for tp, o in stable_ends.items()},
+        in_transaction=frozenset(tp.partition for tp in pending),
+        boundaries=found,
+        newest_ms=_newest_timestamps(consumer, tps, log_starts, stable_ends),
+        first_data_hour=first_data_hour,
+    )
+
+
+def _newest_timestamps(
+    consumer: KafkaConsumer,
+    tps: list[TopicPartition],
+    log_starts: Mapping[TopicPartition, int],
+    stable_ends: Mapping[TopicPartition, int],
+) -> dict[int, int]:
+    """The newest committed message's timestamp per partition (a few records read at the end)."""
+    wanted = [tp for tp in tps if stable_ends[tp] > log_starts[tp]]
+    if not wanted:
+        return {}
+    consumer.assign(wanted)
+    for tp in wanted:
+        # A few records back: the very last offset may be a transaction marker.
+        consumer.seek(tp, max(stable_ends[tp] - 5, log_starts[tp]))
+    newest: dict[int, int] = {}
+    remaining = set(wanted)
+    for _ in range(10):
+        for tp, records in consumer.poll(timeout_ms=200).items():
+            newest[tp.partition] = max(
+                [newest.get(tp.partition, 0)] + [r.timestamp for r in records]
+            )
+            if consumer.position(tp) >= stable_ends[tp]:
+                remaining.discard(tp)
+        if not remaining:
+            break
+    consumer.unsubscribe()
+    return newest
+
+
+def plan_tick(
+    spec: TableSpec,
+    progress: TopicProgress,
+    cursor: Cursor,
+    *,
+    now: datetime,
+    watch_from: datetime,
+    watch_hours: int,
+    already_materialized: Callable[[list[HourState]], set[str]],
+) -> TickPlan:
+    """Which hours to request, and the cursor after this tick. Pure, given the Kafka reads."""
+    lateness = timedelta(minutes=spec.allowed_lateness_minutes)
+    hours: list[HourState] = []
+    waiting = None
+    moment = watch_from
+    while moment + HOUR in progress.boundaries:
+        start = _offsets_at(progress, progress.boundaries[moment])
+        at_end = progress.boundaries[moment + HOUR]
+        end = _offsets_at(progress, at_end)
+        idle = [p for p in progress.partitions if at_end[p] is None]
+        reason = open_reason(
+            hour_end=moment + HOUR,
+            now=now,
+            allowed_lateness=lateness,
+            waiting=idle,
+            in_transaction=[p for p in idle if p in progress.in_transaction],
+        )
+        if reason is not None:
+            waiting = f"hour {hour_key(moment)} is open: {reason}"
+            break  # later hours can't have closed before it
+        hours.append(HourState(hour_key(moment), start, end, not idle, None))
+        moment += HOUR
+
+    fresh = [h for h in hours if cursor.requested.get(h.key) != h.fingerprint]
+    done = already_materialized([h for h in fresh if h.key not in cursor.requested])
+    needed = {h.key for h in fresh if h.key not in done}
+    requested = {**cursor.requested, **{h.key: h.fingerprint for h in hours}}
+
+    ranges, current = [], []
+    for hour in hours:
+        if hour.key in needed and len(current) < spec.hours_per_run:
+            current.append(hour)
+            continue
+        if current:
+            ranges.append(HourRange(tuple(current)))
+        current = [hour] if hour.key in needed else []
+    if current:
+        ranges.append(HourRange(tuple(current)))
+
+    # Settled hours leave the cursor: all partitions moved past them (and past the hour
+    # before, so their start is fixed too), or they closed longer ago than the watch window.
+    settled_until = watch_from
+    for hour in hours:
+        old = now - hour_start(hour.key) - HOUR > timedelta(hours=watch_hours)
+        if not (hour.moved_past or old):
+            break
+        settled_until = hour_start(hour.key) + HOUR
+    kept = {k: v for k, v in requested.items() if hour_start(k) >= settled_until}
+    return TickPlan(
+        ranges=ranges,
+        cursor=Cursor(watch_from=hour_key(settled_until), requested=kept),
+        hours=hours,
+        waiting=waiting,
+    )
+
+
+def _offsets_at(progress: TopicProgress, found: Mapping[int, int | None]) -> dict[int, int]:
+    """b(t) per partition: the first offset stamped at or after t, else the stable end."""
+    return {
+        p: max(progress.log_starts[p], progress.stable_ends[p] if o is None else o)
+        for p, o in found.items()
+    }
+
+
+def consumer_lag(
+    progress: TopicProgress, mirrored: tuple[datetime, dict[int, int]] | None
+) -> dict[str, dg.MetadataValue]:
+    """Messages the mirror has not read, and how far the newest one is ahead of the mirror.
+
+    `mirrored`: (end of the newest materialized hour, its end offsets), or None.
+    """
+    until, ends = mirrored if mirrored else (None, {})
+    behind = {
+        p: max(progress.stable_ends[p] - ends.get(p, progress.log_starts[p]), 0)
+        for p in progress.partitions
+    }
+    newest = max(progress.newest_ms.values(), default=None)
+    seconds = 0.0
+    if sum(behind.values()) and newest is not None:
+        reference = until or _from_ms(min(progress.newest_ms.values()))
+        seconds = max((_from_ms(newest) - reference).total_seconds(), 0.0)
+    metadata = {
+        "lag_messages": dg.MetadataValue.int(sum(behind.values())),
+        "lag_seconds": dg.MetadataValue.float(round(seconds, 3)),
+        "lag_messages_by_partition": dg.MetadataValue.json({str(p): n for p, n in behind.items()}),
+    }
+    if until is not None:
+        metadata["mirrored_until"] = dg.MetadataValue.timestamp(until)
+    return metadata
+
+
+def with_deadline(seconds: float, what: str, read: Callable[[], T]) -> T:
+    """`read()`, or a `KafkaUnavailableError` after `seconds`: the daemon never hangs on Kafka.
+
+    A read still running then is left to finish in its own daemon thread.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafka-tick")
+    future = pool.submit(read)
+    pool.shutdown(wait=False)
+    try:
+        return future.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        raise KafkaUnavailableError(
+            f"{what}: Kafka did not answer within {seconds:g} s. The tick is skipped and its "
+            "cursor kept; check that the brokers are up and reachable, and the kafka "
+            "resource's bootstrap_servers and security settings."
+        ) from None
+    except KafkaError as exc:
+        raise KafkaUnavailableError(
+            f"{what}: Kafka failed ({type(exc).__name__}: {exc}). The tick is skipped and its "
+            "cursor kept; check that the brokers are up and reachable, and the kafka "
+            "resource's bootstrap_servers and security settings."
+        ) from None
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def _from_ms(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def build_offset_sensor(
+    *,
+    spec: TableSpec,
+    minimum_interval_seconds: int = 30,
+    watch_hours: int = 24,
+    kafka_timeout_seconds: float = 20.0,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+) -> dg.SensorDefinition:
+    """The offset-progress sensor of `spec`'s mirror asset (see the module docstring)."""
+    asset_key = dg.AssetKey(spec.name)
+
+    @dg.sensor(
+        name=f"{spec.name}_offsets",
+        description=(
+            f"Watches Kafka topic `{spec.topic}` and materializes each hour of `{spec.name}` "
+            "once every partition has moved past it (or its allowed lateness passed); "
+            "records the table's consumer lag as an observation."
+        ),
+        target=[asset_key],
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+    )
+    def _offsets(context: dg.SensorEvaluationContext, kafka: KafkaResource) -> dg.SensorResult:
+        now = datetime.now(UTC)
+        cursor = Cursor.parse(context.cursor)
+        watch_from = hour_start(cursor.watch_from) if cursor.watch_from else None
+
+        def read() -> TopicProgress:
+            consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
+            try:
+                return read_progress(
+                    consumer,
+                    uncommitted,
+                    table=spec.name,
+                    topic=spec.topic,
+                    watch_from=watch_from,
+                    floor=spec.start_datetime,
+                    now=now,
+                )
+            finally:
+                consumer.close()
+                uncommitted.close()
+
+        progress = with_deadline(
+            kafka_timeout_seconds,
+            f"table '{spec.name}', topic '{spec.topic}', bootstrap servers "
+            f"{kafka.bootstrap_servers}",
+            read,
+        )
+        if watch_from is None:
+            # First tick: start at the first hour holding data (a slice that starts above a
+            # non-zero log start still reports the loss when it runs).
+            if progress.first_data_hour is None:
+                return dg.SensorResult(
+                    skip_reason=f"topic '{spec.topic}' holds no message since {spec.start_hour}",
+                    asset_events=[_lag_observation(context, asset_key, progress)],
+                )
+            watch_from = progress.first_data_hour
+        plan = plan_tick(
+            spec,
+            progress,
+            cursor,
+            now=now,
+            watch_from=watch_from,
+            watch_hours=watch_hours,
+            already_materialized=lambda hours: _materialized_with_slice(context, asset_key, hours),
+        )
+        requests = [_run_request(spec, asset_key, hours) for hours in plan.ranges]
+        if requests:
+            context.log.info(
+                f"{spec.name}: requesting "
+                + ", ".join(
+                    f"{r.first}..{r.last}" if len(r.hours) > 1 else r.first for r in plan.ranges
+                )
+            )
+        return dg.SensorResult(
+            run_requests=requests,
+            cursor=plan.cursor.dump(),
+            asset_events=[_lag_observation(context, asset_key, progress)],
+            skip_reason=None if requests else (plan.waiting or "every closed hour was requested"),
+        )
+
+    return _offsets
+
+
+def _run_request(spec: TableSpec, asset_key: dg.AssetKey, hours: HourRange) -> dg.RunRequest:
+    tags = {"cdc/table": spec.name, "cdc/trigger": "offset_sensor"}
+    # The checks evaluated in the hour's own run; retention_risk is re-run on its own.
+    checks = [dg.AssetCheckKey(asset_key, name) for name in run_check_names(spec)]
+    if len(hours.hours) == 1:
+        return dg.RunRequest(
+            run_key=hours.run_key(spec.name),
+            asset_selection=[asset_key],
+            asset_check_keys=checks,
+            partition_key=hours.first,
+            tags=tags,
+        )
+    # A range of hours in one run, as a backfill launches it.
+    return dg.RunRequest(
+        run_key=hours.run_key(spec.name),
+        asset_selection=[asset_key],
+        asset_check_keys=checks,
+        tags={**tags, RANGE_START_TAG: hours.first, RANGE_END_TAG: hours.last},
+    )
+
+
+def _materialized_with_slice(
+    context: dg.SensorEvaluationContext, asset_key: dg.AssetKey, hours: list[HourState]
+) -> set[str]:
+    """Hours whose latest materialization read exactly their current slice."""
+    if not hours:
+        return set()
+    wanted = {h.key: h for h in hours}
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=list(wanted)),
+        limit=len(wanted) * 4,
+    ).records
+    latest: dict[str, dict] = {}
+    for record in records:  # newest first
+        materialization = record.asset_materialization
+        if materialization.partition in latest:
+            continue
+        offsets = materialization.metadata.get("kafka_offsets")
+        latest[materialization.partition] = offsets.value if offsets else {}
+    return {key for key, offsets in latest.items() if offsets == wanted[key].offsets}
+
+
+def _lag_observation(
+    context: dg.SensorEvaluationContext, asset_key: dg.AssetKey, progress: TopicProgress
+) -> dg.AssetObservation:
+    records = context.instance.fetch_materializations(asset_key, limit=1).records
+    mirrored = None
+    if records:
+        materialization = records[0].asset_materialization
+        offsets = materialization.metadata.get("kafka_offsets")
+        if materialization.partition and offsets:
+            mirrored = (
+                hour_start(materialization.partition) + HOUR,
+                {int(p): o["end"] for p, o in offsets.value.items()},
+            )
+    return dg.AssetObservation(asset_key=asset_key, metadata=consumer_lag(progress, mirrored))

@@ -1,0 +1,238 @@
+"""The offset-progress sensor against the real broker, evaluated with `dg.build_sensor_context`.
+
+Each test writes records with chosen producer timestamps a few hours back, then evaluates the
+sensor tick by tick, passing the cursor on as the daemon does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import dagster as dg
+import pytest
+from kafka import KafkaProducer
+
+from cdc_assets.config import TableSpec
+from cdc_assets.hour_run import hour_start
+from cdc_assets.slicing import compute_slice
+from resources.kafka import KafkaResource
+from sensors.offset_progress import (
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    Cursor,
+    KafkaUnavailableError,
+    build_offset_sensor,
+    with_deadline,
+)
+from tests.conftest import _free_port
+
+pytestmark = pytest.mark.integration
+
+NOW = datetime.now(UTC)
+H = [NOW.replace(minute=0, second=0, microsecond=0) - timedelta(hours=n) for n in (5, 4, 3, 2, 1)]
+KEYS = [h.strftime("%Y-%m-%d-%H:%M") for h in H]
+
+
+def _spec(topic: str, *, lateness: int) -> TableSpec:
+    return TableSpec(
+        name=topic.replace("-", "_"),
+        topic=topic,
+        primary_key=("id",),
+        columns={"id": "bigint"},
+        start_hour=(H[0] - timedelta(hours=1)).strftime("%Y-%m-%d-%H:%M"),
+        allowed_lateness_minutes=lateness,
+        hours_per_run=3,
+    )
+
+
+def _at(hour: int, minutes: int) -> int:
+    return int((H[hour] + timedelta(minutes=minutes)).timestamp() * 1000)
+
+
+class Ticks:
+    """Evaluates one table's sensor repeatedly, carrying the cursor like the daemon."""
+
+    def __init__(self, spec: TableSpec, kafka: KafkaResource, instance: dg.DagsterInstance):
+        self.sensor = build_offset_sensor(spec=spec)
+        self.kafka, self.instance, self.cursor = kafka, instance, None
+
+    def tick(self) -> dg.SensorResult:
+        context = dg.build_sensor_context(
+            instance=self.instance, cursor=self.cursor, resources={"kafka": self.kafka}
+        )
+        result = self.sensor(context)
+        if result.cursor is not None:
+            self.cursor = result.cursor
+        return result
+
+
+def _hours(request: dg.RunRequest) -> tuple[str, str]:
+    if request.partition_key:
+        return request.partition_key, request.partition_key
+    return request.tags[RANGE_START_TAG], request.tags[RANGE_END_TAG]
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def test_closed_hours_are_requested_once_and_an_idle_partition_keeps_an_hour_open(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    topic = create_topic(f"{topic_prefix}-idle", partitions=2)
+    spec = _spec(topic, lateness=600)  # far from passed: only moved-past partitions close
+    for hour in range(4):
+        send(topic, b"a", b"{}", _at(hour, 10), partition=0)
+    for hour in range(3):  # partition 1 goes idle after H2
+        send(topic, b"b", b"{}", _at(hour, 20), partition=1)
+    ticks = Ticks(spec, kafka, instance)
+
+    first = ticks.tick()
+    assert [_hours(r) for r in first.run_requests] == [(KEYS[0], KEYS[1])]
+    # The hour's own checks run with it; retention_risk is re-run on its own.
+    checks = {key.name for key in first.run_requests[0].asset_check_keys}
+    assert "accounting" in checks and "retention_risk" not in checks
+    # H0 and H1 can't change any more: they left the cursor; H2 is watched.
+    assert Cursor.parse(ticks.cursor).watch_from == KEYS[2]
+
+    again = ticks.tick()
+    assert again.run_requests == []
+    assert f"hour {KEYS[2]} is open" in again.skip_reason.skip_message
+    assert "partitions [1]" in again.skip_reason.skip_message
+    cursor = ticks.cursor
+    ticks.tick()
+    assert ticks.cursor == cursor  # stable across evaluations
+
+    # Partition 1 moves past H2: exactly H2 is requested, for its exact slice.
+    send(topic, b"b", b"{}", _at(3, 30), partition=1)
+    third = ticks.tick()
+    assert [_hours(r) for r in third.run_requests] == [(KEYS[2], KEYS[2])]
+    consumer = kafka.consumer()
+    try:
+        slice_ = compute_slice(
+            consumer,
+            table=spec.name,
+            topic=topic,
+            hour_start=H[2],
+            now=datetime.now(UTC),
+            allowed_lateness=timedelta(minutes=600),
+        )
+    finally:
+        consumer.close()
+    ends = ",".join(f"{p}={o}" for p, o in sorted(slice_.end_offsets().items()))
+    assert f"ends[{ends}]" in third.run_requests[0].run_key
+    assert ticks.tick().run_requests == []
+
+    # Lag: the whole topic is unread by a mirror that has materialized nothing.
+    lag = first.asset_events[0].metadata
+    assert lag["lag_messages"].value == 7
+
+
+def test_late_data_on_an_hour_closed_by_lateness_requests_it_again(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    topic = create_topic(f"{topic_prefix}-late", partitions=1)
+    spec = _spec(topic, lateness=0)
+    send(topic, b"a", b"{}", _at(0, 10))
+    send(topic, b"a", b"{}", _at(1, 10))
+    ticks = Ticks(spec, kafka, instance)
+
+    first = ticks.tick()
+    # H0..H2 closed (H1 and the empty H2..H4 by lateness); runs of at most 3 hours.
+    assert [_hours(r) for r in first.run_requests] == [(KEYS[0], KEYS[2]), (KEYS[3], KEYS[4])]
+    assert ticks.tick().run_requests == []
+
+    # A record stamped inside H1 arrives late, at the end of the log: H1's end moves, and so
+    # do the starts of the empty hours after it. They run again, in one run, in order.
+    send(topic, b"a", b"{}", _at(1, 40))
+    late = ticks.tick()
+    assert [_hours(r) for r in late.run_requests] == [(KEYS[1], KEYS[3]), (KEYS[4], KEYS[4])]
+    assert {r.run_key for r in late.run_requests}.isdisjoint(r.run_key for r in first.run_requests)
+    assert ticks.tick().run_requests == []
+
+
+def test_out_of_order_timestamps_follow_the_log(create_topic, send, topic_prefix, kafka, instance):
+    topic = create_topic(f"{topic_prefix}-order", partitions=1)
+    spec = _spec(topic, lateness=600)
+    send(topic, b"a", b"{}", _at(0, 10))  # offset 0
+    send(topic, b"a", b"{}", _at(1, 5))  # offset 1
+    send(topic, b"a", b"{}", _at(0, 50))  # offset 2: stamped H0, written after an H1 record
+    send(topic, b"a", b"{}", _at(2, 5))  # offset 3
+    ticks = Ticks(spec, kafka, instance)
+    (request,) = ticks.tick().run_requests
+    assert _hours(request) == (KEYS[0], KEYS[1])
+    # H0 is offset 0 only; offsets 1 and 2 belong to H1: the slice follows the log.
+    assert ":ends[0=3]:" in request.run_key
+
+
+def test_an_open_transaction_keeps_its_hour_open(
+    create_topic, send, topic_prefix, broker, kafka, instance
+):
+    topic = create_topic(f"{topic_prefix}-txn", partitions=1)
+    spec = _spec(topic, lateness=0)
+    send(topic, b"a", b"{}", _at(0, 10))
+    producer = KafkaProducer(bootstrap_servers=broker, transactional_id=f"{topic}-tx")
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.send(topic, key=b"a", value=b"{}", timestamp_ms=_at(0, 40), partition=0).get(30)
+    producer.flush()
+    ticks = Ticks(spec, kafka, instance)
+    try:
+        held = ticks.tick()
+        assert held.run_requests == []
+        assert f"hour {KEYS[0]} is open" in held.skip_reason.skip_message
+        assert "open transaction" in held.skip_reason.skip_message
+    finally:
+        producer.commit_transaction()
+        producer.close()
+    released = ticks.tick()
+    assert [_hours(r) for r in released.run_requests][0][0] == KEYS[0]
+
+
+def test_an_hour_already_materialized_with_its_slice_is_not_requested_again(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    topic = create_topic(f"{topic_prefix}-done", partitions=1)
+    spec = _spec(topic, lateness=600)
+    send(topic, b"a", b"{}", _at(0, 10))
+    send(topic, b"a", b"{}", _at(1, 10))
+    # A person materialized H0 from the UI before the sensor first ran (metadata as the
+    # asset writes it).
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(
+            asset_key=spec.name,
+            partition=KEYS[0],
+            metadata={"kafka_offsets": {"0": {"start": 0, "end": 1, "records": 1}}},
+        )
+    )
+    assert Ticks(spec, kafka, instance).tick().run_requests == []
+
+
+def test_a_kafka_that_does_not_answer_fails_the_tick_fast_and_clearly(instance):
+    dead = KafkaResource(bootstrap_servers=f"127.0.0.1:{_free_port()}", request_timeout_ms=5_000)
+    spec = _spec("nowhere", lateness=0)
+    started = time.monotonic()
+    with pytest.raises(KafkaUnavailableError) as failure:
+        Ticks(spec, dead, instance).tick()
+    # Well inside Dagster's own sensor timeout (60 s): the daemon is never held up.
+    assert time.monotonic() - started < 45
+    message = str(failure.value)
+    assert "table 'nowhere'" in message and dead.bootstrap_servers in message
+    assert "cursor kept" in message
+
+
+def test_a_read_that_hangs_is_abandoned_at_the_deadline():
+    with pytest.raises(KafkaUnavailableError, match="did not answer within 0.2 s"):
+        with_deadline(0.2, "table 't'", lambda: time.sleep(3))
+
+
+def test_the_cursor_round_trips():
+    cursor = Cursor(watch_from=KEYS[1], requested={KEYS[2]: "0:1-2"})
+    assert Cursor.parse(cursor.dump()) == cursor
+    assert json.loads(cursor.dump())["watch_from"] == KEYS[1]
+    assert Cursor.parse(None) == Cursor()
+    assert hour_start(KEYS[0]) == H[0]
