@@ -7,20 +7,27 @@ import os
 import dagster as dg
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
+from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_retention_check_for, build_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
+from sensors.downstream import build_downstream_sensor
 from sensors.offset_progress import build_offset_sensor
 
 TABLES_FILE_ENV = "CDC_TABLES_FILE"
 
 
 def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
+    # The demo shop's downstream assets, when its three tables are mirrored.
+    downstream = build_downstream_assets(specs)
     return dg.Definitions(
-        assets=[build_table_asset(spec=spec) for spec in specs],
+        assets=[*(build_table_asset(spec=spec) for spec in specs), *downstream],
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
-        sensors=[build_offset_sensor(spec=spec) for spec in specs],
+        sensors=[
+            *(build_offset_sensor(spec=spec) for spec in specs),
+            *([build_downstream_sensor(downstream)] if downstream else []),
+        ],
         # One process and one Spark session for all the assets of a run.
         executor=dg.in_process_executor,
         resources={

@@ -32,13 +32,28 @@ def test_definitions_validate_on_workspace(tmp_path):
 def test_one_hourly_asset_per_table_with_its_own_pool():
     definitions = defs() if callable(defs) else defs
     graph = definitions.resolve_asset_graph()
+    mirrors = {"customers", "orders", "order_items"}
     keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
-    assert keys == {"customers", "orders", "order_items"}
+    assert keys == mirrors | {"order_facts", "daily_sales"}
     pools = set()
     for key in graph.get_all_asset_keys():
+        if key.to_user_string() not in mirrors:
+            continue
         node = graph.get(key)
         assert isinstance(node.partitions_def, dg.HourlyPartitionsDefinition)
         assert node.group_name == "cdc_mirrors"
         assert {"kafka", "spark", "delta"} <= set(node.kinds)
         pools.add(definitions.get_assets_def(key).op.pool)
     assert pools == {"cdc_table_customers", "cdc_table_orders", "cdc_table_order_items"}
+
+
+def test_the_sensors_are_on_by_default():
+    definitions = defs() if callable(defs) else defs
+    sensors = {s.name: s for s in definitions.sensors}
+    assert set(sensors) == {
+        "customers_offsets",
+        "orders_offsets",
+        "order_items_offsets",
+        "shop_analytics_automation",
+    }
+    assert all(s.default_status == dg.DefaultSensorStatus.RUNNING for s in sensors.values())
