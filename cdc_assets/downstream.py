@@ -10,8 +10,9 @@
 - Recompute the affected keys. The changed keys give the affected orders: the orders that
   changed, the orders of the items that changed, and the orders of the customers that changed
   (looked up in the orders mirror). Their fact rows are recomputed from the mirrors' current live
-  rows and MERGEd by order_id: a live order is inserted or updated (only when a value differs),
-  an order that is no longer live loses its fact row.
+  rows (each mirror read at one version for the whole run) and MERGEd by order_id: a live order
+  is inserted or updated (only when a value differs, so a rerun commits nothing), and an order
+  that is no longer live loses its fact row.
 - Convergence. A fact row is a function of the mirrors' current state, never of the hour's
   change alone, and every order is affected by the hour that created it and by each hour that
   changed it, its items or its customer. So once the mirrors are complete, running the facts
@@ -228,12 +229,14 @@ def refresh_order_facts(
         table = _ensure_facts_table(spark, facts_path, source.drop(_LIVE).schema)
         n_affected = affected.count()
         pending = _pending(table, source).persist(StorageLevel.MEMORY_AND_DISK)
-        metrics = None
+        upserted = deleted = 0
         if n_affected and not pending.isEmpty():
             with commit_metadata(
                 spark, {"hour": hour, "asset": ORDER_FACTS, "upstream_versions": versions}
             ):
                 metrics = _merge_facts(table, pending).first()
+            upserted = metrics["num_inserted_rows"] + metrics["num_updated_rows"]
+            deleted = metrics["num_deleted_rows"]
     finally:
         changed.unpersist()
         for frame in (affected, pending):
@@ -242,10 +245,8 @@ def refresh_order_facts(
     return {
         "changed_keys": counts,
         "orders_recomputed": n_affected,
-        "facts_upserted": (metrics["num_inserted_rows"] + metrics["num_updated_rows"])
-        if metrics
-        else 0,
-        "facts_deleted": metrics["num_deleted_rows"] if metrics else 0,
+        "facts_upserted": upserted,
+        "facts_deleted": deleted,
         "delta_version": _version(table),
     }
 
