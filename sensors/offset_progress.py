@@ -490,14 +490,18 @@ def _materialized_with_slice(
 def _lag_observation(
     context: dg.SensorEvaluationContext, asset_key: dg.AssetKey, progress: TopicProgress
 ) -> dg.AssetObservation:
-    records = context.instance.fetch_materializations(asset_key, limit=1).records
+    # The newest hour among the recent materializations (a rerun of an old hour is not it).
+    records = context.instance.fetch_materializations(asset_key, limit=50).records
+    materializations = [
+        r.asset_materialization
+        for r in records
+        if r.asset_materialization.partition and "kafka_offsets" in r.asset_materialization.metadata
+    ]
     mirrored = None
-    if records:
-        materialization = records[0].asset_materialization
-        offsets = materialization.metadata.get("kafka_offsets")
-        if materialization.partition and offsets:
-            mirrored = (
-                hour_start(materialization.partition) + HOUR,
-                {int(p): o["end"] for p, o in offsets.value.items()},
-            )
+    if materializations:
+        newest = max(materializations, key=lambda m: m.partition)
+        mirrored = (
+            hour_start(newest.partition) + HOUR,
+            {int(p): o["end"] for p, o in newest.metadata["kafka_offsets"].value.items()},
+        )
     return dg.AssetObservation(asset_key=asset_key, metadata=consumer_lag(progress, mirrored))

@@ -209,7 +209,13 @@ def test_an_hour_already_materialized_with_its_slice_is_not_requested_again(
             metadata={"kafka_offsets": {"0": {"start": 0, "end": 1, "records": 1}}},
         )
     )
-    assert Ticks(spec, kafka, instance).tick().run_requests == []
+    tick = Ticks(spec, kafka, instance).tick()
+    assert tick.run_requests == []
+    # Lag is measured from the newest materialized hour: H0 ended at offset 1 of 2.
+    lag = tick.asset_events[0].metadata
+    assert lag["lag_messages"].value == 1
+    assert lag["mirrored_until"].value == H[1].timestamp()
+    assert lag["lag_seconds"].value == 10 * 60  # the newest message is stamped H1 + 10 min
 
 
 def test_a_kafka_that_does_not_answer_fails_the_tick_fast_and_clearly(instance):
