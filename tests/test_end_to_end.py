@@ -220,11 +220,11 @@ def test_the_sensors_materialize_every_closed_hour_and_its_downstream(dagster_de
         deadline=deadline,
     )
 
-    runs = sensor_runs()
-    # The closed hours of each table were caught up in one range run, not one run per hour.
-    assert len(runs) == len(specs), [r["tags"] for r in runs]
-    range_end = {"key": "dagster/asset_partition_range_end", "value": keys[-1]}
-    assert all(range_end in r["tags"] for r in runs)
+    # The seeded hours of each table were caught up in one range run, not one run per hour.
+    # (An empty hour that closes while the test runs gets a run of its own.)
+    range_start = {"key": "dagster/asset_partition_range_start", "value": keys[0]}
+    runs = [r for r in sensor_runs() if range_start in r["tags"]]
+    assert len(runs) == len(specs), [r["tags"] for r in sensor_runs()]
 
     days = sorted({key[:10] for key in keys})
 
