@@ -176,8 +176,8 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, spark_
     specs, source, _, keys = demo
     reference, _ = in_order
     shuffled = LakeResource(root=str(tmp_path / "shuffled"))
-    # Later hours first, then everything again in a random order with repeats.
-    order = list(reversed(keys)) + random.Random(3).sample(keys, len(keys)) + keys[:1]
+    # Later hours first, then two of them again: out of order, with repeats.
+    order = list(reversed(keys)) + random.Random(3).sample(keys, 2)
     _materialize(specs, order, kafka=kafka, spark_resource=spark_resource, lake=shuffled)
 
     for spec in specs:
@@ -235,9 +235,9 @@ def test_a_backfill_range_equals_the_hours_run_one_by_one(
         )
 
 
-def test_rerunning_an_hour_leaves_rows_unchanged(demo, kafka, spark, spark_resource, lake):
+def test_rerunning_an_hour_leaves_rows_unchanged(demo, in_order, kafka, spark, spark_resource):
     specs, _, _, keys = demo
-    _materialize(specs, keys[:2], kafka=kafka, spark_resource=spark_resource, lake=lake)
+    lake, _ = in_order  # a rerun adds only a ledger commit, so the shared tables stay as they are
     before = {s.name: full_table(spark, lake.table_path(s.name)) for s in specs}
     metadata = _materialize(specs, keys[1:2], kafka=kafka, spark_resource=spark_resource, lake=lake)
     for spec in specs:
