@@ -152,6 +152,17 @@ def open_transactions(
     return {tp for tp, stable in stable_ends.items() if high_watermarks[tp] > stable}
 
 
+def topic_partitions(consumer: KafkaConsumer, *, table: str, topic: str) -> list[TopicPartition]:
+    """The topic's partitions, failing with the fix when the topic is missing."""
+    partition_ids = consumer.partitions_for_topic(topic)
+    if not partition_ids:
+        raise SliceError(
+            f"table '{table}': topic '{topic}' does not exist or has no partitions on the "
+            "configured Kafka cluster; check the table's 'topic' setting and the cluster."
+        )
+    return [TopicPartition(topic, p) for p in sorted(partition_ids)]
+
+
 def compute_slice(
     consumer: KafkaConsumer,
     *,
@@ -171,13 +182,7 @@ def compute_slice(
     transactions, which keep the hour open.
     """
     hour_end = hour_start + timedelta(hours=1)
-    partition_ids = consumer.partitions_for_topic(topic)
-    if not partition_ids:
-        raise SliceError(
-            f"table '{table}': topic '{topic}' does not exist or has no partitions on the "
-            "configured Kafka cluster; check the table's 'topic' setting and the cluster."
-        )
-    tps = [TopicPartition(topic, p) for p in sorted(partition_ids)]
+    tps = topic_partitions(consumer, table=table, topic=topic)
     known_starts = known_starts or {}
     log_starts = consumer.beginning_offsets(tps)
     at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})

@@ -44,7 +44,7 @@ from kafka.errors import KafkaError
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HOUR_KEY_FORMAT, hour_start
-from cdc_assets.slicing import open_reason, open_transactions
+from cdc_assets.slicing import open_reason, open_transactions, topic_partitions
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
 
@@ -103,7 +103,8 @@ class TopicProgress:
     # (None: no such message yet)
     boundaries: dict[datetime, dict[int, int | None]]
     newest_ms: dict[int, int]  # partition -> timestamp of its newest committed message
-    first_data_hour: datetime | None  # hour of the oldest message since the table's start
+    # Hour of the oldest message since the table's start; looked up on the first tick only.
+    first_data_hour: datetime | None
 
 
 @dataclass(frozen=True)
@@ -167,17 +168,13 @@ def read_progress(
     """Reads what a tick needs from Kafka: offsets per hour boundary from `watch_from` (on the
     first tick: the hour of the oldest message since `floor`) to now, log starts, stable ends.
     """
-    ids = consumer.partitions_for_topic(topic)
-    if not ids:
-        raise RuntimeError(
-            f"table '{table}': topic '{topic}' does not exist or has no partitions on the "
-            "configured Kafka cluster; check the table's 'topic' setting and the cluster."
-        )
-    tps = [TopicPartition(topic, p) for p in sorted(ids)]
+    tps = topic_partitions(consumer, table=table, topic=topic)
     log_starts = consumer.beginning_offsets(tps)
-    first = consumer.offsets_for_times({tp: _ms(floor) for tp in tps})
-    first_ms = [ts.timestamp for ts in first.values() if ts is not None]
-    first_data_hour = max(floor_hour(_from_ms(min(first_ms))), floor) if first_ms else None
+    first_data_hour = None
+    if watch_from is None:  # only the first tick looks for where the data begins
+        first = consumer.offsets_for_times({tp: _ms(floor) for tp in tps})
+        first_ms = [ts.timestamp for ts in first.values() if ts is not None]
+        first_data_hour = max(floor_hour(_from_ms(min(first_ms))), floor) if first_ms else None
     found: dict[datetime, dict[int, int | None]] = {}
     start = watch_from or first_data_hour or floor_hour(now)
     hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
