@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 
@@ -84,6 +92,9 @@ _EXPECTATION_KINDS = ("not_null", "unique", "in_set", "between", "regex", "type"
 # Row-level kinds: a failing change can be held back from the mirror (`hard: true`). Uniqueness
 # is a property of the live table and a column's type is enforced by decoding, so neither is.
 _HARD_KINDS = ("not_null", "in_set", "between", "regex")
+# Kinds that keep their meaning on a keyed hash: HMAC maps null to null and equal values to
+# equal hashes. The others judge the raw value, which a hashed column no longer holds.
+_HASH_SAFE_KINDS = ("not_null", "unique")
 
 
 class ExpectationSpec(BaseModel):
@@ -226,6 +237,28 @@ class TableSpec(BaseModel):
             "on hours being run in order)."
         ),
     )
+    on_truncate: Literal["fail", "apply"] = Field(
+        default="fail",
+        description=(
+            "What a truncate event (op 't') does. fail: the run stops before writing anything "
+            "and names the record; apply: every row whose change is older than the truncate is "
+            "deleted (as delete_mode says), and older changes that arrive later stay out."
+        ),
+    )
+    new_columns: Literal["add", "ignore"] = Field(
+        default="add",
+        description=(
+            "What a source column that is not declared under columns does. add: the mirror "
+            "gains it (typed from its first values; later values that don't convert are "
+            "errors); ignore: it is left out. Either way the schema_drift check names it. "
+            "Mark a sensitive column before it appears, or use ignore."
+        ),
+    )
+    max_record_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1,
+        description="Records with a larger value go to the error table instead of the mirror.",
+    )
     start_hour: str = Field(description="First hourly partition, 'YYYY-MM-DD-HH:00' in UTC.")
     allowed_lateness_minutes: int = Field(default=15, ge=0)
     hours_per_run: int = Field(
@@ -245,6 +278,17 @@ class TableSpec(BaseModel):
     description: str | None = None
     expectations: tuple[ExpectationSpec, ...] = ()
     checks: ChecksConfig = ChecksConfig()
+    sensitive: dict[str, Literal["hash", "drop"]] = Field(
+        default_factory=dict,
+        description=(
+            "Columns masked right after decoding, so their raw values reach neither the mirror "
+            "nor metadata nor logs. hash: stored as the hex HMAC-SHA256 of the value's canonical "
+            "string form, keyed by the masking resource's key (env CDC_MASKING_KEY), so the "
+            "column becomes a string that still joins, groups and counts; drop: not stored. A "
+            "primary-key column can't be masked; a dropped column takes no expectations and a "
+            "hashed one only not_null and unique. The error table keeps raw record bytes."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -292,6 +336,44 @@ class TableSpec(BaseModel):
             raise ValueError(f"'{value}' is not an hour like '2026-11-20-00:00' (UTC)") from None
         if parsed.minute:
             raise ValueError(f"'{value}' must be on the hour")
+        return value
+
+    @field_validator("sensitive")
+    @classmethod
+    def _sensitive(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        # Settings that failed their own validation are missing here; they are reported already.
+        columns = info.data.get("columns") or {}
+        keys = info.data.get("primary_key") or ()
+        expectations = info.data.get("expectations") or ()
+        problems = []
+        for column, mode in value.items():
+            if columns and column not in columns:
+                problems.append(
+                    f"column '{column}' is not listed under columns; declare it there with its "
+                    "type, then mark it"
+                )
+            if column in keys:
+                problems.append(
+                    f"column '{column}' is part of the primary_key, which can't be masked: the "
+                    "MERGE matches and joins rows by it and Debezium sends it raw in the Kafka "
+                    "key; leave it unmasked, or key the source table by a non-sensitive column"
+                )
+            for expectation in (e for e in expectations if e.column == column):
+                if mode == "drop":
+                    problems.append(
+                        f"column '{column}' is dropped, so expectation "
+                        f"'{expectation.check_name}' has nothing to check; remove the "
+                        "expectation, or mark the column 'hash' to keep it masked"
+                    )
+                elif expectation.expect not in _HASH_SAFE_KINDS:
+                    problems.append(
+                        f"column '{column}' is stored hashed, so expectation "
+                        f"'{expectation.check_name}' would judge the hash, not the value; remove "
+                        f"it (only {' and '.join(_HASH_SAFE_KINDS)} keep their meaning on a "
+                        "hashed column)"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
         return value
 
     @model_validator(mode="after")

@@ -12,10 +12,12 @@ The CDC rules, stated once:
 - Changes of one key are ordered by the table's sequence (default `source.lsn`), then Kafka
   partition and offset. Offsets alone can't order changes: a topic's partition count may change.
 - A record is an error, kept with its raw bytes and the reason, when: its value is not JSON,
-  `op` is missing or unknown (`t`, truncate, included: it is never silently dropped), the
-  primary key or a sequence field is missing, a change lacks a declared column, or a value does
-  not convert to the declared type. Reasons never quote record values. Errors never stop the
-  run (I7).
+  it is larger than the table's `max_record_bytes`, `op` is missing or unknown, the primary key
+  or a sequence field is missing, the Kafka key names another primary key than the row, a change
+  lacks a declared column, or a value does not convert to the declared type. Reasons never
+  quote record values. Errors never stop the run (I7).
+- A truncate (`op` `t`) needs only its sequence; `hour_run` applies it or stops the run, as the
+  table's `on_truncate` says. It is never silently dropped.
 - Debezium encodings: decimals as strings (decimal.handling.mode=string) or numbers; timestamps
   as epoch numbers in the column's unit (`timestamp` and `timestamp(us)`: MicroTimestamp,
   `timestamp(ms)`: Timestamp, `timestamp(ns)`: NanoTimestamp) or ISO-8601 strings
@@ -26,13 +28,15 @@ The CDC rules, stated once:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from cdc_assets.config import TableSpec, spark_type
 
-OPS = ("c", "r", "u", "d")
+OPS = ("c", "r", "u", "d", "t")
+TRUNCATE = "t"
 
 # Metadata columns of the mirror (besides the source columns).
 OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET = (
@@ -151,6 +155,37 @@ def kind_fits(declared: str, kind: str) -> bool:
     )
 
 
+_ADDABLE = re.compile(r"(?!_cdc_)[A-Za-z_][A-Za-z0-9_]*", re.IGNORECASE)
+# The raw record's columns on a decoded row (kept for the error table).
+_RESERVED = {"key", "value", "topic"}
+
+
+def added_column_types(kinds: Mapping[str, str], known: Iterable[str]) -> dict[str, str]:
+    """Types for source columns that appeared undeclared, from their JSON kinds in the hour.
+
+    Whole numbers become bigint, other numbers double, booleans boolean, strings string; a
+    column whose kinds varied becomes string (and its other values errors). A column that was
+    only ever null waits for a value; objects and arrays wait for a declaration.
+    """
+    known = {name.lower() for name in known}
+    types = {}
+    for column, kind in kinds.items():
+        if column.lower() in known | _RESERVED or not _ADDABLE.fullmatch(column):
+            continue
+        parts = {k for k in kind.split("|") if k != "VOID"}
+        if not parts or any(k.startswith(("OBJECT", "ARRAY")) for k in parts):
+            continue  # nothing to go by yet, or nested data: declare it (schema_drift names it)
+        if all(re.fullmatch(f"({_INTEGRAL})", k) for k in parts):
+            types[column] = "bigint"
+        elif all(re.fullmatch(f"({_NUMERIC})", k) for k in parts):
+            types[column] = "double"
+        elif parts == {"BOOLEAN"}:
+            types[column] = "boolean"
+        else:
+            types[column] = "string"
+    return types
+
+
 # Microseconds per unit of an epoch timestamp, by the declared column type.
 _MICROS_PER_UNIT = {"timestamp": 1, "timestamp(us)": 1, "timestamp(ms)": 1000}
 # Epoch values beyond year 9999 are garbage, not timestamps; the bound also keeps the unit
@@ -192,14 +227,26 @@ def _unwrap(document: Column) -> Column:
     return F.when(payload.isNotNull() & _present(document, "$.schema"), payload).otherwise(document)
 
 
-def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
+def decode(
+    records: DataFrame,
+    spec: TableSpec,
+    *,
+    hour_key: str,
+    added_columns: Mapping[str, str] | None = None,
+) -> DataFrame:
     """Decodes the Kafka records of one slice.
 
     Returns one row per record: the source columns, the `_cdc_*` metadata columns, and
     `_cdc_error` (null when the change can be applied) and `_cdc_is_tombstone`. The raw
     `key`/`value` bytes and Kafka coordinates stay on the row for the error table.
+
+    `added_columns` (name → type) are source columns the mirror gained without a declaration
+    (`added_column_types`): a change may lack one (null), but a value must convert to its type.
     """
-    parsed = F.try_parse_json(F.col("value").cast("string"))
+    added = dict(added_columns or {})
+    # An oversized value is not parsed: it goes to the error table as it is.
+    small = F.octet_length(F.col("value")) <= spec.max_record_bytes
+    parsed = F.try_parse_json(F.when(small, F.col("value")).cast("string"))
     envelope = _unwrap(parsed)
     op = _get(envelope, "$.op", "string")
     row = F.when(op == "d", _get(envelope, "$.before", "variant")).otherwise(
@@ -222,6 +269,8 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
 
     env, data, key = F.col("_envelope"), F.col("_row"), F.col("_key")
     is_delete = F.col(OP) == "d"
+    # A truncate names no row: it needs only its sequence (hour_run applies or refuses it).
+    has_row = F.col(OP) != TRUNCATE
     values = {}
     for column, declared in spec.columns.items():
         value = _typed(_get(data, _field(column), "variant"), declared)
@@ -235,12 +284,15 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
     ]
 
     reasons = [
+        (
+            F.octet_length(F.col("value")) > spec.max_record_bytes,
+            F.lit(f"value is larger than max_record_bytes ({spec.max_record_bytes})"),
+        ),
         (F.col("_parsed").isNull(), F.lit("value is not valid JSON")),
         (F.col(OP).isNull(), F.lit("envelope has no 'op' field")),
-        (F.col(OP) == "t", F.lit("truncate (op 't') is not applied by this pipeline")),
         (~F.col(OP).isin(*OPS), F.lit("unknown op")),
         (
-            ~is_delete & (data.isNull() | F.is_variant_null(data)),
+            has_row & ~is_delete & (data.isNull() | F.is_variant_null(data)),
             F.lit("change without 'after' row"),
         ),
     ]
@@ -253,17 +305,41 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
         )
     for column in spec.primary_key:
         reasons.append(
-            (values[column].isNull(), F.lit(f"primary key column '{column}' is missing or invalid"))
+            (
+                has_row & values[column].isNull(),
+                F.lit(f"primary key column '{column}' is missing or invalid"),
+            )
+        )
+    for column in spec.primary_key:
+        # Debezium keys the record by the row's primary key; a key naming another row means
+        # the record was routed or rewritten wrongly, and applying it could hit either row.
+        in_key = _typed(_get(key, _field(column), "variant"), spec.columns[column])
+        reasons.append(
+            (
+                has_row & in_key.isNotNull() & (in_key != values[column]),
+                F.lit(f"the Kafka key's '{column}' differs from the row's primary key"),
+            )
         )
     # A delete needs only its key and sequence; a change must carry every declared column.
-    for column, declared in spec.columns.items():
-        raw = _get(data, _field(column), "variant")
-        reasons.append(
-            (~is_delete & raw.isNull(), F.lit(f"column '{column}' is missing from 'after'"))
+    for column, declared in added.items():
+        values[column] = _typed(_get(data, _field(column), "variant"), declared).cast(
+            spark_type(declared)
         )
         reasons.append(
             (
-                ~is_delete & _present(data, _field(column)) & values[column].isNull(),
+                has_row & ~is_delete & _present(data, _field(column)) & values[column].isNull(),
+                F.lit(f"column '{column}' does not convert to {declared}"),
+            )
+        )
+    for column, declared in spec.columns.items():
+        raw = _get(data, _field(column), "variant")
+        changes_row = has_row & ~is_delete
+        reasons.append(
+            (changes_row & raw.isNull(), F.lit(f"column '{column}' is missing from 'after'"))
+        )
+        reasons.append(
+            (
+                changes_row & _present(data, _field(column)) & values[column].isNull(),
                 F.lit(f"column '{column}' does not convert to {declared}"),
             )
         )
@@ -278,7 +354,7 @@ def decode(records: DataFrame, spec: TableSpec, *, hour_key: str) -> DataFrame:
         "key",
         "value",
         "topic",
-        *[values[column].alias(column) for column in spec.columns],
+        *[values[column].alias(column) for column in [*spec.columns, *added]],
         F.col(OP),
         data.alias(ROW),
         F.struct(

@@ -11,6 +11,7 @@ from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_retention_check_for, build_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
+from resources.masking import MASKING_KEY_ENV, MaskingResource
 from resources.spark import SparkResource
 from sensors.downstream import build_downstream_sensor
 from sensors.offset_progress import build_offset_sensor
@@ -36,6 +37,8 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
             ),
             "spark": SparkResource(),
             "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT")),
+            # Required only by tables that hash a column (`sensitive`); others need no key.
+            "masking": MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)),
         },
     )
 

@@ -13,7 +13,8 @@ import dagster as dg
 from pydantic import Field
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import HourResult, SequenceConfigError, run_hour
+from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError, run_hour
+from cdc_assets.masking import MaskedMirrorError, check_stored_mirror, hashed_columns
 from cdc_assets.slicing import SliceError
 from checks.table_checks import (
     build_retention_check,
@@ -23,6 +24,7 @@ from checks.table_checks import (
 )
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
+from resources.masking import HmacKey, MaskingKeyError
 from resources.spark import SparkResource
 
 
@@ -92,6 +94,12 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
         "are kept as rows with _cdc_deleted = true. Bad records go to "
         f"`{spec.error_table_name}`."
     )
+    if spec.sensitive:
+        masked = ", ".join(f"{column} ({mode})" for column, mode in spec.sensitive.items())
+        description += (
+            f" Sensitive columns are masked before anything stores them: {masked}; hashed "
+            "columns hold HMAC-SHA256 hex strings."
+        )
 
     partitions_def = hourly_partitions(spec)
     check_specs = run_check_specs(spec, partitions_def=partitions_def)
@@ -121,19 +129,24 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
                 "primary_key": ", ".join(spec.primary_key),
                 "delete_mode": spec.delete_mode,
                 "error_table": spec.error_table_name,
+                # Names and modes only: what is masked, never a value.
+                **({"sensitive_columns": dict(spec.sensitive)} if spec.sensitive else {}),
             },
+            # Only a table that hashes needs the key, so the others run without one.
+            required_resource_keys={"kafka", "spark", "lake"}
+            | ({"masking"} if hashed_columns(spec) else set()),
         )
-        def _mirror(
-            context: dg.AssetExecutionContext,
-            config: HourRunConfig,
-            kafka: KafkaResource,
-            spark: SparkResource,
-            lake: LakeResource,
-        ) -> Iterator:
+        def _mirror(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
+            kafka: KafkaResource = context.resources.kafka
+            spark: SparkResource = context.resources.spark
+            lake: LakeResource = context.resources.lake
             path = lake.table_path(spec.name)
+            masking_key = _masking_key(context, spec, spark, path)
             hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
             for hour_key in context.partition_keys:
-                result = _hour(context, spec, hour_key, config, kafka, spark, lake, done=hours)
+                result = _hour(
+                    context, spec, hour_key, config, kafka, spark, lake, masking_key, done=hours
+                )
                 checks = evaluate_run_checks(
                     spark=spark.session, spec=spec, path=path, result=result
                 )
@@ -180,6 +193,7 @@ def _hour(
     kafka: KafkaResource,
     spark: SparkResource,
     lake: LakeResource,
+    masking_key: HmacKey | None,
     *,
     done: list,
 ) -> HourResult:
@@ -192,8 +206,9 @@ def _hour(
             spec=spec,
             hour_key=hour_key,
             force_open_hour=config.force_open_hour,
+            masking_key=masking_key,
         )
-    except (SliceError, SequenceConfigError) as exc:
+    except (SliceError, SequenceConfigError, TruncateError) as exc:
         written = ""
         if done:
             written = (
@@ -214,6 +229,23 @@ def _hour(
             f"{spec.name} {result.hour_key} was forced while open: the result is partial."
         )
     return result
+
+
+def _masking_key(
+    context: dg.AssetExecutionContext, spec: TableSpec, spark: SparkResource, path: str
+) -> HmacKey | None:
+    """Checks the table's masking setup before anything is read; a wrong one isn't retried."""
+    if not spec.sensitive:
+        return None
+    try:
+        hashed = hashed_columns(spec)
+        key = (
+            context.resources.masking.hmac_key(table=spec.name, columns=hashed) if hashed else None
+        )
+        check_stored_mirror(spark.session, path, spec)
+    except (MaskingKeyError, MaskedMirrorError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    return key
 
 
 def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from pyspark import StorageLevel
-from pyspark.sql import SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
@@ -20,12 +21,17 @@ from cdc_assets.decode import (
     KAFKA_PARTITION,
     OP,
     ROW,
+    SEQUENCE,
     SOURCE_TS,
     TOMBSTONE,
+    TRUNCATE,
+    added_column_types,
     decode,
     source_kinds,
 )
+from cdc_assets.masking import mask_changes, stored_spec
 from cdc_assets.merge import (
+    added_columns,
     hour_history,
     latest_per_key,
     merge_changes,
@@ -36,6 +42,7 @@ from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_
 from checks.expectations import Audit, audit_changes
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
+from resources.masking import HmacKey
 
 HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
 
@@ -112,6 +119,30 @@ def known_starts(
     return recorded_offsets(history, hour_key, "start") or {}
 
 
+class TruncateError(RuntimeError):
+    """A truncate event in an hour of a table configured with on_truncate: fail."""
+
+
+def _source_schema(decoded: DataFrame) -> str | None:
+    """`schema_of_variant_agg` of the rows the hour's inserts, updates and snapshots carried."""
+    rows = F.when(~F.col(TOMBSTONE) & F.col(OP).isin("c", "u", "r"), F.col(ROW))
+    return decoded.agg(F.schema_of_variant_agg(rows)).first()[0]
+
+
+def truncate_watermark(history: list[dict], hour_truncate: list | None) -> list | None:
+    """The newest truncate's sequence among the recorded runs and this hour, or None."""
+    found = [c["truncated_before"] for c in history if c.get("truncated_before") is not None]
+    if hour_truncate is not None:
+        found.append(hour_truncate)
+    return list(max(tuple(v) for v in found)) if found else None
+
+
+def sequence_value(sequence_type: T.StructType, values: list) -> Column:
+    """A literal of the `_cdc_sequence` struct, comparable with the column."""
+    fields = zip(sequence_type.fields, values, strict=True)
+    return F.struct(*[F.lit(v).cast(f.dataType).alias(f.name) for f, v in fields])
+
+
 class SequenceConfigError(RuntimeError):
     """Every change of an hour lacks the table's sequence: the config, not the data, is wrong."""
 
@@ -139,6 +170,7 @@ def run_hour(
     hour_key: str,
     now: datetime | None = None,
     force_open_hour: bool = False,
+    masking_key: HmacKey | None = None,
 ) -> HourResult:
     """Materializes one hour of `spec` into its Delta mirror and returns what happened."""
     now = now or datetime.now(UTC)
@@ -178,10 +210,30 @@ def run_hour(
 
     ingested_at = datetime.now(UTC)
     records = read_slice(spark, kafka.spark_options(), hour_slice)
-    decoded = decode(records, spec, hour_key=hour_key).persist(StorageLevel.MEMORY_AND_DISK)
+
+    def decoded_with(added: dict[str, str]) -> DataFrame:
+        # Sensitive columns are masked before anything reads them (cdc_assets/masking.py).
+        frame = decode(records, spec, hour_key=hour_key, added_columns=added)
+        return mask_changes(frame, spec, masking_key).persist(StorageLevel.MEMORY_AND_DISK)
+
+    # Columns the mirror gained earlier, then any the hour's rows bring (decoded again for them:
+    # only the hour a column first appears pays that second read).
+    added = added_columns(spark, path, spec)  # `ignore` stops new ones, not these
+    decoded = decoded_with(added)
+    source_fields = source_kinds(decoded, _source_schema(decoded))
+    new = added_column_types(source_fields, [*spec.columns, *added])
+    if spec.new_columns == "add" and new:
+        decoded.unpersist()
+        added |= new
+        decoded = decoded_with(added)
+    # From here on `spec` describes the mirror: hashed columns are strings, dropped ones gone,
+    # added ones there.
+    stored = stored_spec(spec)
+    spec = stored.model_copy(update={"columns": {**stored.columns, **added}})
     audited = None
     try:
-        applicable = F.col(ERROR).isNull() & ~F.col(TOMBSTONE)
+        # Changes to rows: not errors, tombstones or truncates.
+        applicable = F.col(ERROR).isNull() & ~F.col(TOMBSTONE) & (F.col(OP) != TRUNCATE)
         # Audit: hard expectations hold failing changes back, into the error table.
         audit = audit_changes(spark, spec, decoded.where(applicable))
         if audit is not None and audit.failed is not None:
@@ -193,16 +245,34 @@ def run_hour(
             )
             decoded, audited = audited, decoded
         good = decoded.where(applicable)
+        is_truncate = F.col(ERROR).isNull() & (F.col(OP) == TRUNCATE)
         totals = decoded.agg(
             F.count("*").alias("consumed"),
             F.count_if(F.col(TOMBSTONE)).alias("tombstones"),
             F.count_if(F.col(ERROR).isNotNull()).alias("errors"),
+            F.count_if(is_truncate).alias("truncates"),
+            F.max(F.when(is_truncate, F.col(SEQUENCE))).alias("truncate_sequence"),
+            F.min(F.when(is_truncate, F.struct(KAFKA_PARTITION, KAFKA_OFFSET))).alias("first_t"),
             F.unix_millis(F.max(F.when(F.col(ERROR).isNull(), F.col(SOURCE_TS)))).alias("newest"),
-            F.schema_of_variant_agg(
-                F.when(~F.col(TOMBSTONE) & (F.col(OP) != "d"), F.col(ROW))
-            ).alias("source_schema"),
         ).first()
-        source_fields = source_kinds(decoded, totals["source_schema"])
+        if totals["truncates"] and spec.on_truncate == "fail":
+            at = totals["first_t"]
+            raise TruncateError(
+                f"table '{spec.name}', topic '{spec.topic}', hour {hour_key}: partition "
+                f"{at[KAFKA_PARTITION]} offset {at[KAFKA_OFFSET]} is a truncate of the source "
+                f"table (op 't'; {totals['truncates']} in the hour). on_truncate is 'fail', so "
+                "nothing of this hour was written. Set on_truncate: apply for the table to "
+                "delete every row older than the truncate and run the hour again, or "
+                "re-snapshot the table."
+            )
+        hour_truncate = list(totals["truncate_sequence"]) if totals["truncates"] else None
+        watermark = truncate_watermark(history, hour_truncate)
+        older_than_truncate = 0
+        if watermark is not None:
+            # A change older than a truncate is gone from the source, whenever its hour runs.
+            bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
+            older_than_truncate = good.where(F.col(SEQUENCE) < bound).count()
+            good = good.where(F.col(SEQUENCE) > bound)
         reasons = {}
         if totals["errors"]:
             reasons = {
@@ -229,6 +299,8 @@ def run_hour(
             "errors": totals["errors"],
             "pipeline": "cdc-lake",
         }
+        if hour_truncate is not None:
+            commit["truncated_before"] = hour_truncate
         outcome = merge_changes(
             spark,
             spec,
@@ -236,13 +308,20 @@ def run_hour(
             latest_per_key(good, spec),
             ingested_at=ingested_at,
             run_metadata=commit,
+            truncate_before=(
+                None
+                if hour_truncate is None
+                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
+            ),
         )
     finally:
         decoded.unpersist()
         if audited is not None:
             audited.unpersist()
 
-    n_good = totals["consumed"] - totals["tombstones"] - totals["errors"]
+    # Truncate records count as applied; changes older than a truncate as stale.
+    n_changes = totals["consumed"] - totals["tombstones"] - totals["errors"] - totals["truncates"]
+    keys_applied = outcome.applied - outcome.truncated
     newest = totals["newest"]
     return HourResult(
         table=spec.name,
@@ -250,9 +329,9 @@ def run_hour(
         slice=hour_slice,
         counts=HourCounts(
             consumed=totals["consumed"],
-            applied=outcome.applied,
-            superseded=n_good - outcome.merged_keys,
-            stale=outcome.merged_keys - outcome.applied,
+            applied=keys_applied + totals["truncates"],
+            superseded=n_changes - older_than_truncate - outcome.merged_keys,
+            stale=outcome.merged_keys - keys_applied + older_than_truncate,
             tombstones=totals["tombstones"],
             errors=totals["errors"],
         ),

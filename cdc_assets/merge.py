@@ -14,12 +14,17 @@ insert-only MERGE keyed by (topic, partition, offset), so a rerun after a crash 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
+from delta import exceptions as delta_errors
 from delta.tables import DeltaTable
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -35,6 +40,61 @@ from cdc_assets.decode import (
     SEQUENCE,
     SOURCE_TS,
 )
+
+log = logging.getLogger(__name__)
+T_ = TypeVar("T_")
+
+# A Delta commit that lost a race with another writer: nothing of it was committed, and every
+# write here is guarded (sequence or Kafka coordinates), so doing it again is safe.
+COMMIT_CONFLICTS = (
+    delta_errors.DeltaConcurrentModificationException,
+    delta_errors.ConcurrentWriteException,
+    delta_errors.MetadataChangedException,
+    delta_errors.ProtocolChangedException,
+    delta_errors.ConcurrentAppendException,
+    delta_errors.ConcurrentDeleteReadException,
+    delta_errors.ConcurrentDeleteDeleteException,
+    delta_errors.ConcurrentTransactionException,
+)
+CONFLICT_ATTEMPTS = 5
+
+
+class CommitConflictError(RuntimeError):
+    """Another writer kept winning the commit race on a table."""
+
+
+def retry_on_conflict(
+    write: Callable[[], T_], *, table: str, path: str, attempts: int = CONFLICT_ATTEMPTS
+) -> T_:
+    """Runs `write`, again after a Delta commit conflict, at most `attempts` times in all.
+
+    Each attempt re-reads the table, so the retry sees what the other writer committed; the
+    sequence guard keeps the result the same whichever writer wins.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return write()
+        except COMMIT_CONFLICTS as exc:
+            kind = type(exc).__name__
+            if attempt == attempts:
+                raise CommitConflictError(
+                    f"table '{table}': the commit to {path} lost {attempts} races in a row to "
+                    f"another writer (last: {kind}). One run per table writes at a time when runs "
+                    "go through the table's pool; look for a writer outside Dagster or a pool "
+                    "limit above 1."
+                ) from exc
+            pause = min(8.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random())
+            log.warning(
+                "table '%s': Delta commit conflict (%s), attempt %d of %d; retrying in %.1f s",
+                table,
+                kind,
+                attempt,
+                attempts,
+                pause,
+            )
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
 
 COMMIT_METADATA_CONF = "spark.databricks.delta.commitInfo.userMetadata"
 METADATA_COLUMNS = (OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET, HOUR, INGESTED_AT)
@@ -62,6 +122,8 @@ class MergeOutcome:
     rows_inserted: int
     rows_updated: int
     rows_deleted: int
+    # Rows a truncate in the hour deleted (among `applied` and `rows_deleted`).
+    truncated: int = 0
 
 
 def mirror_columns(spec: TableSpec) -> list[str]:
@@ -79,6 +141,15 @@ def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
     )
 
 
+def added_columns(spark: SparkSession, path: str, spec: TableSpec) -> dict[str, str]:
+    """Source columns the mirror gained without a declaration (name → type), from its schema."""
+    if not DeltaTable.isDeltaTable(spark, path):
+        return {}
+    known = {c.lower() for c in [*spec.columns, *spec.sensitive, *mirror_columns(spec)]}
+    schema = DeltaTable.forPath(spark, path).toDF().schema
+    return {f.name: f.dataType.simpleString() for f in schema if f.name.lower() not in known}
+
+
 def ensure_mirror_table(spark: SparkSession, path: str, changes: DataFrame) -> DeltaTable:
     """Creates the mirror (change data feed on) the first time; new columns come via MERGE."""
     schema = changes.schema
@@ -92,10 +163,14 @@ def ensure_mirror_table(spark: SparkSession, path: str, changes: DataFrame) -> D
     )
 
 
+def commit_metadata_text(metadata: dict) -> str:
+    return json.dumps(metadata, sort_keys=True)
+
+
 @contextmanager
 def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
     """Attaches `metadata` to the Delta commits made inside the block."""
-    spark.conf.set(COMMIT_METADATA_CONF, json.dumps(metadata, sort_keys=True))
+    spark.conf.set(COMMIT_METADATA_CONF, commit_metadata_text(metadata))
     try:
         yield
     finally:
@@ -110,12 +185,42 @@ def merge_changes(
     *,
     ingested_at,
     run_metadata: dict,
+    truncate_before: Column | None = None,
 ) -> MergeOutcome:
     """MERGEs the newest change per key into the mirror with the sequence guard.
 
     The commit carries `run_metadata`. When no change is newer than the mirror, Delta makes no
     commit; a metadata-only commit then records the run, so every hour's slice is in the log.
+    A commit conflict with another writer is retried (`retry_on_conflict`).
+
+    `truncate_before` (a sequence value) is the hour's newest truncate: the same commit deletes
+    every row older than it that the hour's changes don't replace.
     """
+    return retry_on_conflict(
+        lambda: _merge_once(
+            spark,
+            spec,
+            path,
+            latest,
+            ingested_at=ingested_at,
+            run_metadata=run_metadata,
+            truncate_before=truncate_before,
+        ),
+        table=spec.name,
+        path=path,
+    )
+
+
+def _merge_once(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    latest: DataFrame,
+    *,
+    ingested_at,
+    run_metadata: dict,
+    truncate_before: Column | None,
+) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
     table = ensure_mirror_table(spark, path, source)
@@ -133,6 +238,31 @@ def merge_changes(
         # A soft delete stores the delete's before-image (the row as the source last had it),
         # so the tombstone row is the same whichever order the hours ran in.
         merge = merge.whenMatchedUpdate(condition=newer, set=everything).whenNotMatchedInsertAll()
+    truncated = 0
+    if truncate_before is not None:
+        older = F.col(f"t.`{SEQUENCE}`") < truncate_before
+        if spec.delete_mode == "hard":
+            merge = merge.whenNotMatchedBySourceDelete(condition=older)
+        else:
+            merge = merge.whenNotMatchedBySourceUpdate(
+                condition=older & ~F.col(f"t.`{DELETED}`"),
+                set={
+                    DELETED: F.lit(True),
+                    OP: F.lit("t"),
+                    # The truncate's own sequence: any older change is stale against it.
+                    SEQUENCE: truncate_before,
+                    HOUR: F.lit(run_metadata["hour"]),
+                    INGESTED_AT: F.lit(ingested_at).cast("timestamp"),
+                },
+            )
+        # Counted on the version the MERGE reads (a conflict retries both), so that the
+        # hour's accounting can tell the truncated rows from the keys its changes applied.
+        truncated = (
+            table.toDF()
+            .where((F.col(SEQUENCE) < truncate_before) & ~F.col(DELETED))
+            .join(source.select(*spec.primary_key), list(spec.primary_key), "left_anti")
+            .count()
+        )
     with commit_metadata(spark, run_metadata):
         metrics = merge.execute().first()
         if not metrics["num_affected_rows"]:
@@ -145,10 +275,20 @@ def merge_changes(
                 "('cdc.ledger' = 'each run records its slice in the commit userMetadata')"
             )
             return MergeOutcome(None, source.count(), 0, 0, 0, 0)
-    commit = table.history(1).select("version", "operationMetrics").first()
-    return _outcome(
+    # This run's commit, not one another writer made since (both carry the same metadata only
+    # when they run the same hour, and then the later one commits nothing but the ledger).
+    commit = (
+        table.history(20)
+        .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
+        .where(F.col("operation") == "MERGE")
+        .orderBy(F.col("version").desc())
+        .select("version", "operationMetrics")
+        .first()
+    )
+    outcome = _outcome(
         spark, spec, path, commit["version"], int(commit["operationMetrics"]["numSourceRows"])
     )
+    return replace(outcome, truncated=truncated)
 
 
 def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
@@ -198,6 +338,16 @@ def write_errors(
     spark: SparkSession, path: str, errors: DataFrame, *, hour_key: str, ingested_at
 ) -> None:
     """Adds bad records to the error table once each, keyed by their Kafka coordinates."""
+    retry_on_conflict(
+        lambda: _write_errors_once(spark, path, errors, hour_key=hour_key, ingested_at=ingested_at),
+        table=path.rstrip("/").rsplit("/", 1)[-1],
+        path=path,
+    )
+
+
+def _write_errors_once(
+    spark: SparkSession, path: str, errors: DataFrame, *, hour_key: str, ingested_at
+) -> None:
     rows = errors.select(
         F.col("topic"),
         F.col(KAFKA_PARTITION).alias("partition"),

@@ -56,56 +56,82 @@ class _Malformed(Exception):
 Record = tuple[int, int, bytes | None] | tuple[int, int, bytes | None, bytes | None]
 
 
-def replay(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, Row]:
+def replay(
+    spec: TableSpec, records: Iterable[Record], added_columns: dict[str, str] | None = None
+) -> dict[tuple, Row]:
     """The table's live rows after applying `records` (partition, offset, value[, key]).
 
     The Kafka key, when given, supplies a delete's primary key if its `before` lacks it.
+    `added_columns` (name → type) are columns a change may lack (null) but, when it has one,
+    its value must convert: the columns a mirror gains without a declaration.
 
     Returns:
         Rows by primary-key tuple (values in `spec.primary_key` order).
     """
-    return replay_with_errors(spec, records)[0]
+    return replay_with_errors(spec, records, added_columns)[0]
 
 
 def replay_with_errors(
-    spec: TableSpec, records: Iterable[Record]
+    spec: TableSpec, records: Iterable[Record], added_columns: dict[str, str] | None = None
 ) -> tuple[dict[tuple, Row], list[ReplayError]]:
     """Like `replay`, also returning the rejected records as (partition, offset, reason).
 
-    Reasons start with one of: "invalid json", "missing op", "unknown op", "missing sequence",
-    "missing row", "missing primary key", "wrong type".
+    Reasons start with one of: "oversized", "invalid json", "missing op", "unknown op",
+    "missing sequence", "missing row", "missing primary key", "key mismatch", "wrong type".
+    A truncate (op ``t``, known when the spec says ``on_truncate: apply``) deletes every row
+    whose last change is older than it.
     """
     # key -> (position of the last applied change, row or None when deleted)
     latest: dict[tuple, tuple[tuple, Row | None]] = {}
     errors: list[ReplayError] = []
+    truncated_before: tuple | None = None  # the newest truncate's position
     for partition, offset, value, *kafka_key in records:
         if value is None:
             continue  # tombstone: log compaction's marker, the delete event came before it
         try:
-            op, sequence, row = _parse(spec, value, kafka_key[0] if kafka_key else None)
+            op, sequence, row = _parse(
+                spec, value, kafka_key[0] if kafka_key else None, added_columns or {}
+            )
         except _Malformed as exc:
             errors.append((partition, offset, str(exc)))
             continue
-        key = tuple(row[col] for col in spec.primary_key)
         position = (sequence, partition, offset)
+        if op == "t":
+            truncated_before = max(truncated_before or position, position)
+            continue
+        key = tuple(row[col] for col in spec.primary_key)
         current = latest.get(key)
         if current is not None and position <= current[0]:
             continue
         latest[key] = (position, None if op == "d" else row)
-    live = {key: row for key, (_, row) in latest.items() if row is not None}
+    # A truncate deletes every row whose last change is older than it.
+    live = {
+        key: row
+        for key, (position, row) in latest.items()
+        if row is not None and (truncated_before is None or position > truncated_before)
+    }
     return live, errors
 
 
-def _parse(spec: TableSpec, value: bytes, kafka_key: bytes | None) -> tuple[str, tuple, Row]:
+def _parse(
+    spec: TableSpec, value: bytes, kafka_key: bytes | None, added: dict[str, str]
+) -> tuple[str, tuple, Row]:
+    if len(value) > spec.max_record_bytes:
+        raise _Malformed(f"oversized: {len(value)} bytes")
     document, logical_types = _document(value)
     op = document.get("op")
     if op is None:
         raise _Malformed("missing op")
-    if op not in KNOWN_OPS:
+    known = KNOWN_OPS + (("t",) if spec.on_truncate == "apply" else ())
+    if op not in known:
         raise _Malformed(f"unknown op {_short(op)}")
     sequence = tuple(_sequence_value(document, field.field, field.type) for field in spec.sequence)
+    if op == "t":
+        return op, sequence, {}
     if op == "d":
-        return op, sequence, _delete_row(spec, document.get("before"), kafka_key, logical_types)
+        row = _delete_row(spec, document.get("before"), kafka_key, logical_types)
+        _check_key(spec, row, kafka_key)
+        return op, sequence, row
     raw = document.get("after")
     if not isinstance(raw, dict):
         raise _Malformed(f"missing row: op '{op}' needs an object in 'after'")
@@ -117,9 +143,27 @@ def _parse(spec: TableSpec, value: bytes, kafka_key: bytes | None) -> tuple[str,
         raise _Malformed(f"missing column: {absent} absent from 'after'")
     row = {
         col: _convert(col, spark_type, raw.get(col), logical_types.get(col))
-        for col, spark_type in spec.columns.items()
+        for col, spark_type in [*spec.columns.items(), *added.items()]
     }
+    _check_key(spec, row, kafka_key)
     return op, sequence, row
+
+
+def _check_key(spec: TableSpec, row: Row, kafka_key: bytes | None) -> None:
+    """A JSON Kafka key that names a primary-key value must name the row's."""
+    if kafka_key is None:
+        return
+    try:
+        key_doc, _ = _document(kafka_key)
+    except _Malformed:
+        return  # not a JSON key: nothing to compare
+    for col in spec.primary_key:
+        try:
+            in_key = _convert(col, spec.columns[col], key_doc.get(col), None)
+        except _Malformed:
+            continue
+        if in_key is not None and in_key != row[col]:
+            raise _Malformed(f"key mismatch: the Kafka key's {col} is not the row's")
 
 
 def _document(value: bytes) -> tuple[dict[str, Any], dict[str, str]]:

@@ -7,9 +7,18 @@ as a detached process, so it outlives the Python process that started it. Everyt
 Command line::
 
     python -m devtools.kafka_broker start|stop|status [--port N] [--data-dir PATH]
+        [--sasl-ssl-port N]
 
 ``--port`` and ``--data-dir`` default to the environment variables ``CDC_KAFKA_PORT`` and
 ``CDC_KAFKA_DATA_DIR``, then to 19092 and ``<repo>/.local/kafka``.
+
+With ``BrokerConfig.sasl_ssl_port`` (``--sasl-ssl-port``) the broker also has a SASL_SSL
+listener: SCRAM-SHA-512 over TLS with a self-signed certificate for 127.0.0.1 made with
+``keytool`` (clients trust ``BrokerConfig.ca_file``). Its one SCRAM user is
+``BrokerConfig.scram_username``, with the password in the environment variable named by
+``BrokerConfig.scram_password_env`` when the storage is formatted (the first start of a data
+dir); the broker keeps only the salted SCRAM hash, no file holds the password. The PLAINTEXT
+listener stays, for readiness probes and the tests' own admin and producer clients.
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ HOST = "127.0.0.1"
 DEFAULT_PORT = 19092
 PORT_ENV = "CDC_KAFKA_PORT"
 DATA_DIR_ENV = "CDC_KAFKA_DATA_DIR"
+SCRAM_PASSWORD_ENV = "CDC_KAFKA_SCRAM_PASSWORD"
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+# Protects a throwaway self-signed key that sits next to it in data_dir: not a secret.
+_KEYSTORE_PASSWORD = "cdc-dev-keystore"
+# What Kafka's --add-scram parser takes unquoted; secrets.token_urlsafe() passwords qualify.
+_SCRAM_SAFE = re.compile(r"^[A-Za-z0-9_.~-]+$")
 
 _LOG_TAIL_LINES = 40
 _KILL_WAIT_S = 10.0
@@ -62,6 +77,11 @@ class BrokerConfig:
         extra: Additional ``server.properties`` entries as (key, value) pairs; they override
             the defaults. The PLAINTEXT listener on ``port`` must stay, as readiness is
             probed through it.
+        sasl_ssl_port: Port of an additional SASL_SSL listener (SCRAM-SHA-512 over TLS);
+            None: no such listener.
+        scram_username: The SCRAM user created when the storage is formatted.
+        scram_password_env: The environment variable holding that user's password; read
+            only when the storage is formatted, so a restart keeps the first password.
     """
 
     port: int = DEFAULT_PORT
@@ -70,6 +90,9 @@ class BrokerConfig:
     heap: str = "512m"
     jars_dir: Path = REPO_ROOT / ".jars" / "kafka-broker"
     extra: tuple[tuple[str, str], ...] = ()
+    sasl_ssl_port: int | None = None
+    scram_username: str = "cdc"
+    scram_password_env: str = SCRAM_PASSWORD_ENV
 
     def __post_init__(self) -> None:
         # Absolute paths: the running broker is recognised by the properties path on its
@@ -77,8 +100,12 @@ class BrokerConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
         object.__setattr__(self, "jars_dir", Path(self.jars_dir).expanduser().resolve())
         object.__setattr__(self, "extra", tuple((str(k), str(v)) for k, v in self.extra))
-        if self.effective_controller_port == self.port:
-            raise ValueError(f"port and controller_port must differ (both {self.port})")
+        ports = [self.port, self.effective_controller_port, self.sasl_ssl_port]
+        ports = [port for port in ports if port is not None]
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"port, controller_port and sasl_ssl_port must differ ({ports})")
+        if not _SCRAM_SAFE.match(self.scram_username):
+            raise ValueError(f"scram_username {self.scram_username!r}: use [A-Za-z0-9_.~-] only")
 
     @property
     def effective_controller_port(self) -> int:
@@ -91,6 +118,21 @@ class BrokerConfig:
     def bootstrap(self) -> str:
         """Bootstrap servers string for Kafka clients."""
         return f"{HOST}:{self.port}"
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str | None:
+        """Bootstrap servers of the SASL_SSL listener, None without one."""
+        return None if self.sasl_ssl_port is None else f"{HOST}:{self.sasl_ssl_port}"
+
+    @property
+    def ca_file(self) -> Path:
+        """PEM certificate clients of the SASL_SSL listener trust (it is self-signed)."""
+        return self.data_dir / "tls" / "ca.pem"
+
+    @property
+    def keystore_file(self) -> Path:
+        """The broker's PKCS12 keystore: its TLS key and self-signed certificate."""
+        return self.data_dir / "tls" / "broker.p12"
 
     @property
     def pid_file(self) -> Path:
@@ -144,6 +186,26 @@ def server_properties(config: BrokerConfig) -> dict[str, str]:
         "num.recovery.threads.per.data.dir": "1",
         "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
     }
+    if config.sasl_ssl_port is not None:
+        sasl = f"SASL_SSL://{HOST}:{config.sasl_ssl_port}"
+        prefix = f"listener.name.sasl_ssl.{SCRAM_MECHANISM.lower()}"
+        props |= {
+            "listeners": f"{props['listeners']},{sasl}",
+            "advertised.listeners": f"{props['advertised.listeners']},{sasl}",
+            "listener.security.protocol.map": (
+                f"{props['listener.security.protocol.map']},SASL_SSL:SASL_SSL"
+            ),
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            # Server side only: the broker checks clients against the SCRAM credentials in
+            # its metadata, it logs in to nobody, so the JAAS entry holds no password.
+            f"{prefix}.sasl.jaas.config": (
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+            ),
+            "listener.name.sasl_ssl.ssl.keystore.type": "PKCS12",
+            "listener.name.sasl_ssl.ssl.keystore.location": str(config.keystore_file),
+            "listener.name.sasl_ssl.ssl.keystore.password": _KEYSTORE_PASSWORD,
+            "listener.name.sasl_ssl.ssl.key.password": _KEYSTORE_PASSWORD,
+        }
     props.update(config.extra)
     return props
 
@@ -178,6 +240,8 @@ def start(config: BrokerConfig, timeout_s: float = 60) -> str:
         _check_ports_free(config)
         java = _java()
         classpath = _classpath(config)
+        if config.sasl_ssl_port is not None:
+            _make_certificate(config, java)
         _write_configs(config)
         _format_storage(config, java, classpath)
         pid = _launch(config, java, classpath)
@@ -298,6 +362,8 @@ def _command_line(pid: int) -> str | None:
 
 def _check_ports_free(config: BrokerConfig) -> None:
     ports = [(config.port, "PLAINTEXT"), (config.effective_controller_port, "CONTROLLER")]
+    if config.sasl_ssl_port is not None:
+        ports.append((config.sasl_ssl_port, "SASL_SSL"))
     for port, listener in ports:
         if not _port_free(port):
             raise RuntimeError(_port_taken_message(port, listener))
@@ -418,10 +484,78 @@ def _cluster_id(config: BrokerConfig) -> str:
     return cluster_id
 
 
+def _make_certificate(config: BrokerConfig, java: str) -> None:
+    """A self-signed certificate for 127.0.0.1, once per data dir, with keytool."""
+    if config.keystore_file.is_file() and config.ca_file.is_file():
+        return
+    keytool = str(Path(java).resolve().parent / "keytool")
+    if not Path(keytool).is_file():
+        keytool = shutil.which("keytool") or "keytool"
+    config.ca_file.parent.mkdir(parents=True, exist_ok=True)
+    config.keystore_file.unlink(missing_ok=True)
+    store = ["-keystore", str(config.keystore_file), "-storepass", _KEYSTORE_PASSWORD]
+    for command in (
+        [
+            "-genkeypair",
+            "-alias",
+            "broker",
+            "-keyalg",
+            "EC",
+            "-groupname",
+            "secp256r1",
+            "-validity",
+            "3650",
+            "-dname",
+            f"CN={HOST}",
+            "-ext",
+            f"SAN=ip:{HOST},dns:localhost",
+            "-storetype",
+            "PKCS12",
+            "-keypass",
+            _KEYSTORE_PASSWORD,
+        ],
+        ["-exportcert", "-rfc", "-alias", "broker", "-file", str(config.ca_file)],
+    ):
+        try:
+            result = subprocess.run(
+                [keytool, *command, *store],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        except OSError as exc:
+            raise RuntimeError(f"keytool (part of Java) could not run: {exc}") from exc
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"keytool {command[0]} failed (exit {result.returncode}):\n"
+                f"{result.stdout}{result.stderr}"
+            )
+
+
+def _scram_argument(config: BrokerConfig) -> str:
+    password = os.environ.get(config.scram_password_env)
+    if not password:
+        raise RuntimeError(
+            f"The SASL_SSL listener needs the SCRAM password of user "
+            f"'{config.scram_username}' in the environment variable "
+            f"{config.scram_password_env}."
+        )
+    if not _SCRAM_SAFE.match(password):
+        raise RuntimeError(
+            f"The password in {config.scram_password_env} may only contain [A-Za-z0-9_.~-] "
+            "(e.g. secrets.token_urlsafe())."
+        )
+    return f"{SCRAM_MECHANISM}=[name={config.scram_username},password={password}]"
+
+
 def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
     """Format the KRaft storage once; a formatted log dir has meta.properties."""
     if (_kafka_data_dir(config) / "meta.properties").is_file():
         return
+    # The SCRAM user goes into the bootstrap metadata: the broker stores its salted hash.
+    scram = [] if config.sasl_ssl_port is None else [f"--add-scram={_scram_argument(config)}"]
     # Static controller.quorum.voters: Kafka 3.9 refuses --standalone/--initial-controllers
     # with it, so plain `format -t -c` is the right call.
     command = [
@@ -435,6 +569,7 @@ def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
         f"--cluster-id={_cluster_id(config)}",
         f"--config={config.properties_file}",
         "--ignore-formatted",
+        *scram,
     ]
     result = subprocess.run(
         command,
@@ -445,10 +580,12 @@ def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
         check=False,
     )
     if result.returncode != 0:
+        output = f"{result.stdout}{result.stderr}"
+        if scram:
+            output = output.replace(os.environ[config.scram_password_env], "***")
         raise RuntimeError(
             f"Formatting the KRaft storage in {_kafka_data_dir(config)} failed "
-            f"(exit {result.returncode}):\n{result.stdout}{result.stderr}"
-            f"{_log_report(config)}"
+            f"(exit {result.returncode}):\n{output}{_log_report(config)}"
         )
 
 
@@ -615,6 +752,15 @@ def main(argv: list[str] | None = None) -> int:
         help=f"broker state directory (env {DATA_DIR_ENV}, default {BrokerConfig.data_dir})",
     )
     parser.add_argument(
+        "--sasl-ssl-port",
+        type=int,
+        default=None,
+        help=(
+            f"also listen with SASL_SSL ({SCRAM_MECHANISM} over TLS, self-signed) on this port; "
+            f"user 'cdc', password from env {SCRAM_PASSWORD_ENV}"
+        ),
+    )
+    parser.add_argument(
         "--timeout", type=float, default=None, help="seconds to wait (start 60, stop 30)"
     )
     args = parser.parse_args(argv)
@@ -631,15 +777,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
 
     try:
-        config = BrokerConfig(port=port, data_dir=Path(data_dir))
+        config = BrokerConfig(port=port, data_dir=Path(data_dir), sasl_ssl_port=args.sasl_ssl_port)
         if args.command == "start":
             started = time.monotonic()
             bootstrap = start(config, 60 if args.timeout is None else args.timeout)
             info = status(config)
             print(bootstrap)
+            sasl = ""
+            if config.sasl_ssl_bootstrap:
+                sasl = (
+                    f"\n  SASL_SSL:       {config.sasl_ssl_bootstrap} ({SCRAM_MECHANISM}, user "
+                    f"{config.scram_username}, CA {config.ca_file})"
+                )
             print(
                 f"Kafka broker ready on {bootstrap} (pid {info['pid']}, "
-                f"{time.monotonic() - started:.1f}s)\n"
+                f"{time.monotonic() - started:.1f}s){sasl}\n"
                 f"  process output: {config.log_file}\n  Kafka log:      {config.server_log}",
                 file=sys.stderr,
             )

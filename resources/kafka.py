@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
 from kafka import KafkaConsumer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.errors import KafkaTimeoutError
 from pydantic import Field, field_validator
 
 _LOGIN_MODULES = {
@@ -19,6 +22,10 @@ _LOGIN_MODULES = {
 
 def _jaas_quote(value: str | None) -> str:
     return '"' + (value or "").replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class KafkaAuthenticationError(RuntimeError):
+    """The brokers refused the configured SASL login (wrong user, password or mechanism)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,10 @@ class KafkaResource(dg.ConfigurableResource):
         default=None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512."
     )
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    # repr=False: a resource printed in a log or an error shows no password.
+    sasl_password: str | None = Field(
+        default=None, repr=False, description='Give it as dg.EnvVar("...").'
+    )
     ssl_cafile: str | None = Field(default=None, description="PEM file with the CA to trust.")
     request_timeout_ms: int = 30_000
 
@@ -71,6 +81,7 @@ class KafkaResource(dg.ConfigurableResource):
         settings: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers.split(","),
             "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": self.request_timeout_ms,
             "security_protocol": self.security_protocol,
         }
         if self.sasl_mechanism:
@@ -88,17 +99,40 @@ class KafkaResource(dg.ConfigurableResource):
 
         `committed=False` reads uncommitted, to see high watermarks (open transactions).
         """
-        return KafkaConsumer(
-            enable_auto_commit=False,
-            group_id=None,
-            isolation_level="read_committed" if committed else "read_uncommitted",
-            **self._client_settings(),
-        )
+        with self._explained_bootstrap():
+            return KafkaConsumer(
+                enable_auto_commit=False,
+                group_id=None,
+                isolation_level="read_committed" if committed else "read_uncommitted",
+                **self._client_settings(),
+            )
+
+    @contextlib.contextmanager
+    def _explained_bootstrap(self) -> Iterator[None]:
+        """Names the login settings when a SASL client can't bootstrap.
+
+        kafka-python reports a refused login only as a bootstrap timeout ("socket
+        disconnected"), so the likely causes are named instead.
+        """
+        if not self.sasl_mechanism:
+            yield
+            return
+        try:
+            yield
+        except KafkaTimeoutError as exc:
+            raise KafkaAuthenticationError(
+                f"Kafka at {self.bootstrap_servers}: no broker completed the SASL "
+                f"{self.sasl_mechanism} login of user '{self.sasl_username}' within "
+                f"{self.request_timeout_ms} ms ({exc}). A refused password ends this way: check "
+                "the kafka resource's sasl_username, sasl_password and sasl_mechanism, its "
+                "ssl_cafile, and that the brokers are reachable."
+            ) from exc
 
     def topic_retention(self, topic: str) -> TopicRetention:
         """The topic's effective retention settings, as the brokers apply them."""
         wanted = {"retention.ms": None, "retention.bytes": None, "cleanup.policy": None}
-        admin = KafkaAdminClient(**self._client_settings())
+        with self._explained_bootstrap():
+            admin = KafkaAdminClient(**self._client_settings())
         try:
             described = admin.describe_configs(
                 [ConfigResource(ConfigResourceType.TOPIC, topic, wanted)], config_filter="all"

@@ -6,6 +6,9 @@ downloaded when the session starts. One session is shared by everything in a pro
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,13 @@ class SparkResource(dg.ConfigurableResource):
         ),
     )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
+    python_executable: str | None = Field(
+        default=None,
+        description=(
+            "Python of Spark's Python workers (the masking UDF runs there). Default: "
+            "PYSPARK_PYTHON; without it, this interpreter on a local master."
+        ),
+    )
 
     _pyspark: LazyPySparkResource | None = PrivateAttr(default=None)
 
@@ -79,5 +89,16 @@ class SparkResource(dg.ConfigurableResource):
     @property
     def session(self) -> SparkSession:
         if self._pyspark is None:
+            # PySpark takes its workers' Python from PYSPARK_PYTHON when the context starts (the
+            # spark.pyspark.python conf only counts under spark-submit); 'python3' from PATH may
+            # lack pandas and pyarrow.
+            if self.python_executable:
+                os.environ["PYSPARK_PYTHON"] = self.python_executable
+            elif self.master.startswith("local"):
+                os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             self._pyspark = LazyPySparkResource(spark_config=self.spark_config())
+            # py4j's DEBUG trace prints every call into the JVM with its arguments, the Kafka
+            # login among them: it never goes below INFO here.
+            py4j = logging.getLogger("py4j")
+            py4j.setLevel(max(py4j.getEffectiveLevel(), logging.INFO))
         return self._pyspark.spark_session

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dagster as dg
 import pytest
 
 from cdc_assets.config import TableConfigError, load_tables, parse_tables
+from cdc_assets.factory import build_table_asset
+from cdc_assets.masking import stored_spec
+from resources.kafka import KafkaResource
+from resources.lake import LakeResource
+from resources.masking import MASKING_KEY_ENV, MaskingResource
+from resources.spark import SparkResource
 
 
 def _entry(**overrides) -> dict:
@@ -69,6 +76,28 @@ def test_shipped_tables_file_loads():
             "expectation 'id_not_null' is declared twice",
         ),
         ({"checks": {"error_rate": {"max_share": 2}}}, "setting 'checks.error_rate.max_share'"),
+        (
+            {"sensitive": {"phone": "hash"}},
+            "setting 'sensitive': column 'phone' is not listed under columns",
+        ),
+        ({"sensitive": {"email": "encrypt"}}, "setting 'sensitive.email': Input should be 'hash'"),
+        ({"sensitive": {"id": "hash"}}, "column 'id' is part of the primary_key, which can't be"),
+        (
+            {
+                "sensitive": {"email": "drop"},
+                "expectations": [{"column": "email", "expect": "not_null"}],
+            },
+            "column 'email' is dropped, so expectation 'email_not_null' has nothing to check",
+        ),
+        (
+            {
+                "sensitive": {"email": "hash"},
+                "expectations": [
+                    {"column": "email", "expect": "regex", "regex": "@", "hard": True}
+                ],
+            },
+            "expectation 'email_regex' would judge the hash, not the value",
+        ),
     ],
 )
 def test_each_bad_setting_is_named(overrides, expected):
@@ -95,3 +124,67 @@ def test_all_problems_are_reported_at_once():
 def test_missing_file_says_how_to_point_at_one(tmp_path):
     with pytest.raises(TableConfigError, match="CDC_TABLES_FILE"):
         load_tables(tmp_path / "nope.yaml")
+
+
+def test_sensitive_columns_are_stored_masked():
+    (spec,) = parse_tables(
+        {
+            "tables": [
+                _entry(
+                    columns={"id": "bigint", "email": "string", "ssn": "bigint", "x": "int"},
+                    sensitive={"email": "hash", "ssn": "hash", "x": "drop"},
+                    # Null stays null and equal values hash equally: these keep their meaning.
+                    expectations=[
+                        {"column": "email", "expect": "not_null", "hard": True},
+                        {"column": "ssn", "expect": "unique"},
+                    ],
+                )
+            ]
+        }
+    )
+    assert stored_spec(spec).columns == {"id": "bigint", "email": "string", "ssn": "string"}
+    assert "masking" in build_table_asset(spec=spec).required_resource_keys
+    # A table that only drops needs no key, so it runs without the masking resource.
+    dropping = spec.model_copy(update={"sensitive": {"x": "drop"}, "expectations": ()})
+    assert "masking" not in build_table_asset(spec=dropping).required_resource_keys
+
+
+def _hashing_run(tmp_path, masking: MaskingResource):
+    (spec,) = parse_tables({"tables": [_entry(sensitive={"email": "hash"})]})
+    resources = {
+        # Never contacted: the masking setup is checked before anything is read.
+        "kafka": KafkaResource(bootstrap_servers="127.0.0.1:9"),
+        "spark": SparkResource(),
+        "lake": LakeResource(root=str(tmp_path / "lake")),
+        "masking": masking,
+    }
+    return dg.materialize(
+        [build_table_asset(spec=spec)],
+        partition_key="2026-11-01-05:00",
+        resources=resources,
+        raise_on_error=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (None, f"no masking key is configured. Set the environment variable {MASKING_KEY_ENV}"),
+        ("short", f"the masking key in {MASKING_KEY_ENV} has 5 bytes; HMAC-SHA256 needs at least"),
+    ],
+)
+def test_a_hashing_table_without_a_usable_key_fails_fast(tmp_path, key, expected):
+    result = _hashing_run(tmp_path, MaskingResource(key=key))
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    message = failure.step_failure_data.user_failure_data.description
+    assert "table 'customers', setting 'sensitive'" in message and expected in message
+    assert not (tmp_path / "lake").exists()
+    # Not retried: another attempt can't find a key.
+    assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_RESTARTED]
+
+
+def test_an_unset_key_variable_is_refused_at_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv(MASKING_KEY_ENV, raising=False)
+    with pytest.raises(dg.DagsterInvalidConfigError, match=MASKING_KEY_ENV):
+        _hashing_run(tmp_path, MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)))

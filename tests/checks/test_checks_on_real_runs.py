@@ -15,6 +15,7 @@ from cdc_assets.factory import build_retention_check_for, build_table_asset
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import evaluate_run_checks
 from demo.reference import replay
+from tests.faults.figures import compare, record
 from tests.support import diff_rows, mirror_rows, read_topic
 
 pytestmark = pytest.mark.integration
@@ -262,6 +263,14 @@ def test_a_failed_blocking_check_stops_downstream_in_a_real_run(
         evaluations = {c.check_name: c for c in passed.get_asset_check_evaluations()}
         assert evaluations["retention_risk"].passed  # the test broker keeps records unlimited
         assert evaluations["retention_risk"].metadata["retention_ms"].value == -1
+        # The held hour did not stop the mirror: after the next hour it equals the replay of
+        # both hours (fault suite, scenario 16).
+        until = _ms(HOUR + timedelta(hours=2))
+        records = [(p, o, v) for p, o, v, ts in read_topic(broker, topic) if ts < until]
+        path, expected = lake.table_path(spec.name), replay(spec, records)
+        comparison = compare(spark_resource.session, path, spec, expected, {(1,), (2,)})
+        record("blocking_check_holds_downstream", comparison, faults=1)
+        assert comparison.clean, comparison.details
 
         # Retention removes the first hour's offsets: re-running its check alone shows it.
         admin = KafkaAdminClient(bootstrap_servers=broker)

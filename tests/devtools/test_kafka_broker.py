@@ -10,7 +10,16 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
-from devtools.kafka_broker import BrokerConfig, start, status, stop
+from devtools.kafka_broker import (
+    SCRAM_PASSWORD_ENV,
+    BrokerConfig,
+    _render_properties,
+    _scram_argument,
+    server_properties,
+    start,
+    status,
+    stop,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -130,3 +139,30 @@ def test_start_fails_clearly_when_port_taken(
             start(config, timeout_s=10)
     assert status(config)["running"] is False
     assert not config.pid_file.exists()
+
+
+def test_sasl_ssl_listener_settings_hold_no_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SASL_SSL option: listeners and TLS set up, the SCRAM password only in the env."""
+    config = BrokerConfig(port=9, controller_port=10, sasl_ssl_port=11, data_dir=tmp_path)
+    props = server_properties(config)
+    assert props["listeners"].endswith(",SASL_SSL://127.0.0.1:11")
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:9,SASL_SSL://127.0.0.1:11"
+    assert "SASL_SSL:SASL_SSL" in props["listener.security.protocol.map"]
+    assert props["sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+    assert props["listener.name.sasl_ssl.ssl.keystore.location"] == str(config.keystore_file)
+    assert config.sasl_ssl_bootstrap == "127.0.0.1:11"
+    assert BrokerConfig(port=9, data_dir=tmp_path).sasl_ssl_bootstrap is None
+
+    monkeypatch.delenv(SCRAM_PASSWORD_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=SCRAM_PASSWORD_ENV):
+        _scram_argument(config)
+    monkeypatch.setenv(SCRAM_PASSWORD_ENV, "Pw_of-this~test.1")
+    assert _scram_argument(config) == "SCRAM-SHA-512=[name=cdc,password=Pw_of-this~test.1]"
+    assert "Pw_of-this" not in _render_properties(props)
+    monkeypatch.setenv(SCRAM_PASSWORD_ENV, "no,commas]")
+    with pytest.raises(RuntimeError, match="may only contain"):
+        _scram_argument(config)
+    with pytest.raises(ValueError, match="must differ"):
+        BrokerConfig(port=9, controller_port=10, sasl_ssl_port=10, data_dir=tmp_path)

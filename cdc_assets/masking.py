@@ -1,0 +1,138 @@
+"""Sensitive columns: hashed with a secret key or dropped, right after decoding.
+
+The rules, stated once:
+
+- A table marks columns in `sensitive`: `hash` or `drop`. Masking runs on the decoded changes
+  before the audit, the newest-per-key step and the MERGE, so a raw value never reaches the
+  mirror, its change data feed, its Delta statistics, the expectations' results, metadata or
+  logs.
+- `hash` stores the lowercase hex HMAC-SHA256 of the value's canonical string form, keyed by
+  the `masking` resource's key (`CDC_MASKING_KEY`). The form is the value as Spark casts it to
+  a string (strings as they are, integers as digits, decimals at the declared scale,
+  `true`/`false`, dates as `yyyy-MM-dd`), except timestamps, which are ISO-8601 in UTC with
+  microseconds (`2026-11-03T09:00:00.000000Z`). Null stays null and equal values hash equally,
+  so a hashed column still joins, groups and counts distinct values. It is stored as a string
+  whose field metadata records the masking, which lets a later run verify the column never held
+  raw values.
+- `drop` removes the column before anything stores it.
+- The HMAC runs in a pandas UDF whose closure holds the key: the key is never a literal in a
+  Spark plan (plans are logged and shown in the Spark UI), never in metadata or logs.
+- The error table keeps a bad record's raw key and value bytes, sensitive values included: bad
+  input loses nothing (I7), so that table must be access-controlled like the topic itself. The
+  run's in-memory frame keeps those bytes (and the row as a variant, read only for its JSON
+  kinds) for that table and the schema-drift check; the mirror never selects them.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from cdc_assets.config import TableSpec, spark_type
+from resources.masking import HmacKey, MaskingKeyError
+
+HASH, DROP = "hash", "drop"
+# Field metadata of a hashed column in the mirror's schema: the proof it never held raw values.
+MASKING_FIELD = "cdc.masking"
+HMAC_SHA256 = "hmac-sha256"
+_TIMESTAMP_FORMAT = "yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'"
+
+
+class MaskedMirrorError(RuntimeError):
+    """The mirror already stores a sensitive column unmasked; masking now would leave it raw."""
+
+
+def hashed_columns(spec: TableSpec) -> list[str]:
+    return [column for column in spec.columns if spec.sensitive.get(column) == HASH]
+
+
+def dropped_columns(spec: TableSpec) -> list[str]:
+    return [column for column in spec.columns if spec.sensitive.get(column) == DROP]
+
+
+def stored_spec(spec: TableSpec) -> TableSpec:
+    """`spec` as the mirror stores it: dropped columns gone, hashed columns strings."""
+    if not spec.sensitive:
+        return spec
+    columns = {
+        column: "string" if spec.sensitive.get(column) == HASH else declared
+        for column, declared in spec.columns.items()
+        if spec.sensitive.get(column) != DROP
+    }
+    return spec.model_copy(update={"columns": columns})
+
+
+def canonical_string(column: Column, declared: str) -> Column:
+    """The string a value is hashed as (see the module docstring)."""
+    if spark_type(declared) == "timestamp":
+        # The session runs in UTC (SparkResource), so this renders the instant in UTC.
+        return F.date_format(column, _TIMESTAMP_FORMAT)
+    return column.cast("string")
+
+
+def _hmac_udf(key: HmacKey):
+    secret = key.secret  # only the closure holds it; Spark ships it pickled, never as text
+
+    def hmac_sha256(values: pd.Series) -> pd.Series:
+        import hashlib
+        import hmac
+
+        def digest(value: str) -> str:
+            return hmac.new(secret, value.encode("utf-8"), hashlib.sha256).hexdigest()
+
+        return values.map(digest, na_action="ignore")
+
+    return F.pandas_udf(hmac_sha256, T.StringType())
+
+
+def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> DataFrame:
+    """Hashes and drops `spec`'s sensitive columns of decoded changes (`cdc_assets.decode`)."""
+    if not spec.sensitive:
+        return decoded
+    hashed = hashed_columns(spec)
+    if hashed and key is None:
+        raise MaskingKeyError(
+            f"table '{spec.name}', setting 'sensitive': columns [{', '.join(hashed)}] are "
+            "hashed, but run_hour got no masking key; pass the masking resource's key."
+        )
+    masked = decoded
+    if hashed:
+        hmac_sha256 = _hmac_udf(key)
+        masked = masked.withColumns(
+            {
+                column: hmac_sha256(canonical_string(F.col(column), spec.columns[column])).alias(
+                    column, metadata={MASKING_FIELD: HMAC_SHA256}
+                )
+                for column in hashed
+            }
+        )
+    return masked.drop(*dropped_columns(spec))
+
+
+def check_stored_mirror(spark: SparkSession, path: str, spec: TableSpec) -> None:
+    """Refuses to run when the mirror already stores a sensitive column unmasked.
+
+    Marking a column sensitive doesn't rewrite the rows already stored; rather than leave raw
+    values beside hashed ones, the run stops and says how to rebuild the mirror.
+    """
+    from delta.tables import DeltaTable
+
+    if not spec.sensitive or not DeltaTable.isDeltaTable(spark, path):
+        return
+    fields = {f.name: f for f in spark.read.format("delta").load(path).schema.fields}
+    raw = [c for c in dropped_columns(spec) if c in fields]
+    raw += [
+        c
+        for c in hashed_columns(spec)
+        if c in fields and fields[c].metadata.get(MASKING_FIELD) != HMAC_SHA256
+    ]
+    if raw:
+        raise MaskedMirrorError(
+            f"table '{spec.name}', setting 'sensitive': the mirror at {path} was written before "
+            f"columns [{', '.join(raw)}] were marked sensitive and may hold their raw values. "
+            "Masking doesn't rewrite stored rows (nor the table's history): delete the mirror's "
+            "folder and run its hours again while Kafka still holds them (they converge to the "
+            "same table, masked), or remove the setting. Nothing was read or written."
+        )

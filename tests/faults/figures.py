@@ -1,0 +1,156 @@
+"""What each fault scenario measured, saved for `python -m tests.faults.report`.
+
+A scenario compares the mirror with the reference replay of what Kafka really committed
+(`compare`) and records the figures with `record`. The suite's conftest writes them all to
+`FIGURES_PATH` at the end of the session; the report command prints them as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.config import TableSpec
+from cdc_assets.decode import DELETED
+from tests.support import mirror_rows
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PATH = REPO / ".local" / "faults" / "figures.json"
+FIGURES_PATH = Path(os.environ.get("CDC_FAULT_FIGURES", DEFAULT_PATH))
+
+
+@dataclass
+class Comparison:
+    """Mirror against reference, in rows; every figure must be 0."""
+
+    lost: int = 0  # live in the reference, missing from the mirror's live rows
+    duplicates: int = 0  # extra Delta rows sharing one primary key (tombstones included)
+    resurrected: int = 0  # deleted in the reference, live in the mirror
+    mismatches: int = 0  # live on both sides with different values
+    details: dict = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.lost or self.duplicates or self.resurrected or self.mismatches)
+
+
+@dataclass
+class Figures:
+    scenario: str
+    passed: bool
+    faults: int
+    lost: int
+    duplicates: int
+    resurrected: int
+    mismatches: int
+    secret_hits: int
+
+
+_RECORDED: list[Figures] = []
+
+# Every scenario the suite records; the report fails when one has no figures.
+SCENARIOS = (
+    "connector_restart_duplicates",
+    "killed_before_delta_commit",
+    "killed_after_commit_before_dagster",
+    "two_runs_of_one_hour_at_once",
+    "random_hour_orders_with_repeats",
+    "delete_reinsert_and_key_update",
+    "tombstones_null_and_mismatched_keys",
+    "late_snapshot_reads",
+    "truncate_fail_or_apply",
+    "truncate_first_then_older_hours",
+    "aborted_and_open_transactions",
+    "offsets_deleted_by_retention",
+    "compacted_between_runs",
+    "broker_restarted_mid_read",
+    "schema_new_column_and_type_change",
+    "malformed_mistyped_oversized_unknown",
+    "blocking_check_holds_downstream",
+    "sasl_scram_tls",
+    "sensitive_columns_masked",
+)
+
+
+def compare(
+    spark: SparkSession,
+    path: str,
+    spec: TableSpec,
+    expected: dict[tuple, dict],
+    seen_keys: set[tuple],
+) -> Comparison:
+    """The mirror at `path` against `expected` (reference live rows by key).
+
+    `seen_keys` are all keys the reference met, so keys seen but not live were deleted.
+    """
+    actual = mirror_rows(spark, path, spec)
+    deleted = seen_keys - set(expected)
+    keys = [F.col(k) for k in spec.primary_key]
+    doubled = spark.read.format("delta").load(path).groupBy(*keys).count().where(F.col("count") > 1)
+    extra = doubled.agg(F.sum(F.col("count") - 1)).first()[0] or 0
+    lost = sorted(set(expected) - set(actual))
+    resurrected = sorted(set(actual) & deleted)
+    unknown = sorted(set(actual) - set(expected) - deleted)
+    different = sorted(k for k in set(actual) & set(expected) if actual[k] != expected[k])
+    return Comparison(
+        lost=len(lost),
+        duplicates=int(extra),
+        resurrected=len(resurrected),
+        # A live key the reference never saw is a wrong row too.
+        mismatches=len(different) + len(unknown),
+        details={
+            "lost": lost[:5],
+            "resurrected": resurrected[:5],
+            "unknown": unknown[:5],
+            "different": different[:5],
+        },
+    )
+
+
+def live_keys(spark: SparkSession, path: str) -> int:
+    return spark.read.format("delta").load(path).where(~F.col(DELETED)).count()
+
+
+def record(
+    scenario: str,
+    comparison: Comparison | None = None,
+    *,
+    faults: int,
+    secret_hits: int = 0,
+    passed: bool | None = None,
+) -> None:
+    """Adds one scenario's figures; `passed` defaults to a clean comparison and no secret hit."""
+    c = comparison or Comparison()
+    ok = c.clean and not secret_hits if passed is None else passed
+    _RECORDED.append(
+        Figures(
+            scenario=scenario,
+            passed=ok,
+            faults=faults,
+            lost=c.lost,
+            duplicates=c.duplicates,
+            resurrected=c.resurrected,
+            mismatches=c.mismatches,
+            secret_hits=secret_hits,
+        )
+    )
+
+
+def save(path: Path = FIGURES_PATH) -> None:
+    """Writes this session's figures over the same scenarios' earlier ones (a `-k` run
+    keeps the others, each with the time it was measured)."""
+    if not _RECORDED:
+        return
+    rows = {r["scenario"]: r for r in (json.loads(path.read_text()) if path.exists() else [])}
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rows |= {f.scenario: {**asdict(f), "measured": now} for f in _RECORDED}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sorted(rows.values(), key=lambda r: r["scenario"]), indent=2))
+    tmp.replace(path)

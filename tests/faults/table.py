@@ -1,0 +1,187 @@
+"""A small accounts table, Debezium changes for it, and the reference to judge its mirror.
+
+The scenarios write their own changes (with the op, key and LSN each fault needs), send them to
+a private topic on the real broker, run hours through the real pipeline, and compare the mirror
+with `demo.reference` replayed over what Kafka really committed (read back, read_committed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from cdc_assets.config import TableSpec
+from demo.reference import replay
+
+FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
+KEY_FORMAT = "%Y-%m-%d-%H:%M"
+
+
+def spec(topic: str, **overrides) -> TableSpec:
+    return TableSpec(
+        name="accounts",
+        topic=topic,
+        primary_key=("id",),
+        columns={"id": "bigint", "name": "string", "balance": "bigint"},
+        start_hour="2026-11-01-00:00",
+        **overrides,
+    )
+
+
+def hour_key(n: int) -> str:
+    return (FIRST + timedelta(hours=n)).strftime(KEY_FORMAT)
+
+
+def stamp(hour: int, second: int = 0) -> int:
+    """Kafka timestamp (ms) `second` seconds into hour number `hour`."""
+    return int((FIRST + timedelta(hours=hour, seconds=second)).timestamp() * 1000)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One Kafka record: value None is a tombstone; `key` None sends a null Kafka key."""
+
+    hour: int
+    value: bytes | None
+    key: bytes | None
+    partition: int | None = None
+    second: int = 0
+
+
+def key_bytes(row_id: int | None) -> bytes | None:
+    return None if row_id is None else json.dumps({"id": row_id}).encode()
+
+
+def change(
+    op: str,
+    row_id: int,
+    lsn: int,
+    *,
+    hour: int = 0,
+    name: str | None = None,
+    balance: int | None = None,
+    partition: int | None = None,
+    second: int = 0,
+    kafka_key: int | None | str = "row",
+) -> Change:
+    """A Debezium change of account `row_id` at `lsn`; the Kafka key is the row's id by default."""
+    row = {"id": row_id, "name": name if name is not None else f"n{lsn}", "balance": balance or lsn}
+    envelope = {
+        "op": op,
+        "before": row if op == "d" else None,
+        "after": None if op == "d" else row,
+        "source": {"lsn": lsn, "ts_ms": stamp(hour, second)},
+        "ts_ms": stamp(hour, second),
+    }
+    key = key_bytes(row_id) if kafka_key == "row" else key_bytes(kafka_key)  # type: ignore[arg-type]
+    return Change(hour, json.dumps(envelope).encode(), key, partition, second)
+
+
+def tombstone(row_id: int, *, hour: int = 0, partition: int | None = None, second: int = 0):
+    return Change(hour, None, key_bytes(row_id), partition, second)
+
+
+def raw(value: bytes, *, hour: int = 0, key: bytes | None = None, partition: int | None = None):
+    return Change(hour, value, key, partition)
+
+
+def send_all(bootstrap: str, topic: str, changes: Iterable[Change], **producer_options) -> None:
+    """Sends `changes` in order (one partition order per key: Kafka's default partitioner)."""
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=5,
+        max_in_flight_requests_per_connection=1,
+        **producer_options,
+    )
+    try:
+        futures = [
+            producer.send(
+                topic,
+                key=c.key,
+                value=c.value,
+                partition=c.partition,
+                timestamp_ms=stamp(c.hour, c.second),
+            )
+            for c in changes
+        ]
+        producer.flush()
+        for future in futures:
+            future.get(timeout=30)
+    finally:
+        producer.close()
+
+
+def close_hours(bootstrap: str, topic: str, partitions: int, after_hour: int) -> None:
+    """A record stamped past `after_hour` on every partition, so the hours before it are closed.
+
+    It is a tombstone of an id no scenario uses, so it changes nothing in the mirror.
+    """
+    send_all(
+        bootstrap,
+        topic,
+        [tombstone(10**9, hour=after_hour + 1, partition=p) for p in range(partitions)],
+    )
+
+
+@dataclass
+class Reference:
+    expected: dict[tuple, dict]
+    seen_keys: set[tuple]
+
+
+def read_records(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes, int]]:
+    """Every committed record as (partition, offset, value, key, timestamp_ms)."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for batch in consumer.poll(timeout_ms=1_000).values():
+                out += [(m.partition, m.offset, m.value, m.key, m.timestamp) for m in batch]
+        return out
+    finally:
+        consumer.close()
+
+
+def reference(
+    bootstrap: str,
+    spec_: TableSpec,
+    *,
+    upto_hour: int | None = None,
+    added_columns: dict[str, str] | None = None,
+) -> Reference:
+    """The reference replay of every committed record of the topic (up to an hour's end)."""
+    records = read_records(bootstrap, spec_.topic)
+    if upto_hour is not None:
+        limit = stamp(upto_hour + 1)
+        records = [r for r in records if r[4] < limit]
+    rows = [(p, o, v, k) for p, o, v, k, _ in records]
+    expected = replay(spec_, rows, added_columns)
+    seen = set()
+    for _, _, value, _ in rows:
+        if value is None:
+            continue
+        try:
+            document = json.loads(value)
+            image = document.get("after") or document.get("before") or {}
+            if image.get("id") is not None:
+                seen.add((image["id"],))
+        except (ValueError, AttributeError):
+            continue
+    return Reference(expected, seen)
+
+
+def hours_of(changes: Sequence[Change]) -> list[int]:
+    return sorted({c.hour for c in changes})

@@ -1,0 +1,76 @@
+"""The fault handling's pure rules, without Spark: conflict retries, truncate watermarks and
+the types of columns a mirror gains."""
+
+from __future__ import annotations
+
+import pytest
+from delta.exceptions import ConcurrentAppendException
+
+from cdc_assets import merge
+from cdc_assets.decode import added_column_types
+from cdc_assets.hour_run import truncate_watermark
+
+
+def test_a_lost_commit_race_is_retried_then_named(monkeypatch):
+    monkeypatch.setattr(merge.time, "sleep", lambda _: None)
+    calls = []
+
+    def write():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConcurrentAppendException("another writer committed")
+        return "done"
+
+    assert merge.retry_on_conflict(write, table="accounts", path="/lake/accounts") == "done"
+    assert len(calls) == 3
+
+    def always():
+        raise ConcurrentAppendException("again")
+
+    with pytest.raises(merge.CommitConflictError) as lost:
+        merge.retry_on_conflict(always, table="accounts", path="/lake/accounts", attempts=2)
+    assert "table 'accounts'" in str(lost.value) and "ConcurrentAppendException" in str(lost.value)
+
+    def other():
+        raise ValueError("not a conflict")
+
+    with pytest.raises(ValueError):  # anything else is not retried
+        merge.retry_on_conflict(other, table="accounts", path="/lake/accounts")
+
+
+def test_the_truncate_watermark_is_the_newest_truncate():
+    history = [
+        {"hour": "h3", "truncated_before": [300, 0, 5]},
+        {"hour": "h2"},
+        {"hour": "h1", "truncated_before": [120, 1, 9]},
+    ]
+    assert truncate_watermark(history, None) == [300, 0, 5]
+    assert truncate_watermark(history, [300, 1, 0]) == [300, 1, 0]
+    assert truncate_watermark([{"hour": "h"}], None) is None
+    assert truncate_watermark([], [7, 0, 0]) == [7, 0, 0]
+
+
+def test_added_columns_take_their_type_from_their_values():
+    kinds = {
+        "id": "BIGINT",  # declared
+        "visits": "BIGINT|INT",
+        "score": "DECIMAL(4,2)|BIGINT",
+        "ratio": "DOUBLE",
+        "vip": "BOOLEAN",
+        "tier": "STRING|VOID",
+        "mixed": "BIGINT|STRING",
+        "later": "VOID",  # only nulls so far: waits
+        "nested": "OBJECT<a: BIGINT>",  # waits for a declaration
+        "Value": "STRING",  # the raw record's column name
+        "_cdc_op": "STRING",
+        "bad-name": "STRING",
+    }
+    assert added_column_types(kinds, ["id"]) == {
+        "visits": "bigint",
+        "score": "double",
+        "ratio": "double",
+        "vip": "boolean",
+        "tier": "string",
+        "mixed": "string",
+    }
+    assert added_column_types({"Tier": "STRING"}, ["tier"]) == {}  # Spark's names ignore case
