@@ -14,7 +14,7 @@ from pydantic import Field
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError, run_hour
-from cdc_assets.masking import MaskedMirrorError, check_stored_mirror, hashed_columns
+from cdc_assets.masking import MaskedMirrorError, hashed_columns
 from cdc_assets.slicing import SliceError
 from checks.table_checks import (
     build_retention_check,
@@ -141,7 +141,7 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
             spark: SparkResource = context.resources.spark
             lake: LakeResource = context.resources.lake
             path = lake.table_path(spec.name)
-            masking_key = _masking_key(context, spec, spark, path)
+            masking_key = _masking_key(context, spec)
             hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
             for hour_key in context.partition_keys:
                 result = _hour(
@@ -208,7 +208,7 @@ def _hour(
             force_open_hour=config.force_open_hour,
             masking_key=masking_key,
         )
-    except (SliceError, SequenceConfigError, TruncateError) as exc:
+    except (SliceError, SequenceConfigError, TruncateError, MaskedMirrorError) as exc:
         written = ""
         if done:
             written = (
@@ -231,9 +231,7 @@ def _hour(
     return result
 
 
-def _masking_key(
-    context: dg.AssetExecutionContext, spec: TableSpec, spark: SparkResource, path: str
-) -> HmacKey | None:
+def _masking_key(context: dg.AssetExecutionContext, spec: TableSpec) -> HmacKey | None:
     """Checks the table's masking setup before anything is read; a wrong one isn't retried."""
     if not spec.sensitive:
         return None
@@ -242,8 +240,7 @@ def _masking_key(
         key = (
             context.resources.masking.hmac_key(table=spec.name, columns=hashed) if hashed else None
         )
-        check_stored_mirror(spark.session, path, spec)
-    except (MaskingKeyError, MaskedMirrorError) as exc:
+    except MaskingKeyError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     return key
 

@@ -29,7 +29,7 @@ from cdc_assets.decode import (
     decode,
     source_kinds,
 )
-from cdc_assets.masking import mask_changes, stored_spec
+from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import (
     added_columns,
     hour_history,
@@ -176,6 +176,7 @@ def run_hour(
     now = now or datetime.now(UTC)
     path = lake.table_path(spec.name)
     last_version, history = hour_history(spark, path)
+    check_stored_mirror(spark, path, spec)  # no raw sensitive values beside masked ones
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
     consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:

@@ -571,14 +571,20 @@ def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
         "--ignore-formatted",
         *scram,
     ]
-    result = subprocess.run(
-        command,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    try:
+        result = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        # Its message would quote the command line, the SCRAM argument included.
+        raise RuntimeError(
+            f"Formatting the KRaft storage in {_kafka_data_dir(config)} took over 120 s"
+        ) from None
     if result.returncode != 0:
         output = f"{result.stdout}{result.stderr}"
         if scram:
