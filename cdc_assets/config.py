@@ -245,6 +245,15 @@ class TableSpec(BaseModel):
             "deleted (as delete_mode says), and older changes that arrive later stay out."
         ),
     )
+    toasted_columns: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Columns Debezium may send as its unavailable-value placeholder "
+            "(__debezium_unavailable_value: an unchanged TOASTed value in Postgres). Such a "
+            "change keeps the column's newest known value, whichever order hours run in; the "
+            "placeholder in any other column is an error."
+        ),
+    )
     new_columns: Literal["add", "ignore"] = Field(
         default="add",
         description=(
@@ -384,6 +393,17 @@ class TableSpec(BaseModel):
         if missing:
             raise ValueError(f"primary_key columns {missing} are not listed under columns")
         problems, names = [], set(RESERVED_CHECK_NAMES)
+        for column in self.toasted_columns:
+            if column not in self.columns or column in self.primary_key:
+                problems.append(
+                    f"toasted_columns names '{column}', which is not a non-key column listed "
+                    "under columns"
+                )
+            if self.sensitive.get(column) == "drop":
+                problems.append(
+                    f"toasted column '{column}' is dropped (sensitive), so it has no value to "
+                    "keep; remove it from toasted_columns, or hash it"
+                )
         for expectation in self.expectations:
             if expectation.column not in self.columns:
                 problems.append(

@@ -50,6 +50,18 @@ HOUR, INGESTED_AT, DELETED = "_cdc_hour", "_cdc_ingested_at", "_cdc_deleted"
 ERROR = "_cdc_error"
 TOMBSTONE = "_cdc_is_tombstone"
 ROW = "_cdc_row"  # the change's row as a variant (`after`, or `before` for a delete)
+# Debezium's stand-in for a TOASTed value the change doesn't carry (it did not change).
+UNAVAILABLE = "__debezium_unavailable_value"
+
+
+def has_value(column: str) -> str:
+    """Decoded flag: the change carries a value of toasted column `column`."""
+    return f"_cdc_has__{column}"
+
+
+def value_sequence(column: str) -> str:
+    """Mirror column: the sequence of the change that gave toasted `column` its value."""
+    return f"_cdc_seq__{column}"
 
 
 def parse_object_fields(text: str | None) -> dict[str, str]:
@@ -320,7 +332,7 @@ def decode(
                 F.lit(f"the Kafka key's '{column}' differs from the row's primary key"),
             )
         )
-    # A delete needs only its key and sequence; a change must carry every declared column.
+    # Columns the mirror gained: a change may lack one, but a value must convert.
     for column, declared in added.items():
         values[column] = _typed(_get(data, _field(column), "variant"), declared).cast(
             spark_type(declared)
@@ -331,15 +343,40 @@ def decode(
                 F.lit(f"column '{column}' does not convert to {declared}"),
             )
         )
+    # A toasted column's placeholder means "unchanged": no value, and no error.
+    placeholder, available = {}, {}
+    for column in spec.columns:
+        raw = _get(data, _field(column), "variant")
+        placeholder[column] = F.coalesce(
+            (F.schema_of_variant(raw) == "STRING") & (_get(raw, "$", "string") == UNAVAILABLE),
+            F.lit(False),
+        )
+    for column in spec.toasted_columns:
+        values[column] = F.when(~placeholder[column], values[column])
+        available[column] = has_row & ~is_delete & ~placeholder[column]
+    # A delete needs only its key and sequence; a change must carry every declared column.
     for column, declared in spec.columns.items():
         raw = _get(data, _field(column), "variant")
         changes_row = has_row & ~is_delete
         reasons.append(
             (changes_row & raw.isNull(), F.lit(f"column '{column}' is missing from 'after'"))
         )
+        if column not in spec.toasted_columns:
+            reasons.append(
+                (
+                    changes_row & placeholder[column],
+                    F.lit(
+                        f"column '{column}' holds Debezium's unavailable-value placeholder; "
+                        "list it under toasted_columns"
+                    ),
+                )
+            )
         reasons.append(
             (
-                changes_row & _present(data, _field(column)) & values[column].isNull(),
+                changes_row
+                & ~placeholder[column]
+                & _present(data, _field(column))
+                & values[column].isNull(),
                 F.lit(f"column '{column}' does not convert to {declared}"),
             )
         )
@@ -370,4 +407,5 @@ def decode(
         (F.col(OP) == "d").alias(DELETED),
         F.when(is_tombstone, F.lit(None)).otherwise(error).alias(ERROR),
         is_tombstone.alias(TOMBSTONE),
+        *[available[c].alias(has_value(c)) for c in spec.toasted_columns],
     )

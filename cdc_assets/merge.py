@@ -39,6 +39,8 @@ from cdc_assets.decode import (
     OP,
     SEQUENCE,
     SOURCE_TS,
+    has_value,
+    value_sequence,
 )
 
 log = logging.getLogger(__name__)
@@ -127,17 +129,30 @@ class MergeOutcome:
 
 
 def mirror_columns(spec: TableSpec) -> list[str]:
-    return [*spec.columns, *METADATA_COLUMNS, DELETED]
+    toasted = [value_sequence(c) for c in spec.toasted_columns]
+    return [*spec.columns, *METADATA_COLUMNS, DELETED, *toasted]
 
 
 def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
-    """The newest change of each primary key in the slice (one aggregation, no sort)."""
-    columns = [c for c in mirror_columns(spec) if c != INGESTED_AT]
+    """The newest change of each primary key in the slice (one aggregation, no sort).
+
+    A toasted column takes the newest value among the key's changes that carried one, with
+    that change's sequence (null when none did).
+    """
+    toasted = spec.toasted_columns
+    sequences = {value_sequence(c) for c in toasted}
+    columns = [c for c in mirror_columns(spec) if c != INGESTED_AT and c not in sequences]
     newest = F.max_by(F.struct(*[F.col(c) for c in columns]), F.col(SEQUENCE))
+    carried = {c: F.when(F.col(has_value(c)), F.col(SEQUENCE)) for c in toasted}
+    toasts = [F.max_by(F.col(c), carried[c]).alias(f"_value_{c}") for c in toasted]
+    toasts += [F.max(carried[c]).alias(value_sequence(c)) for c in toasted]
     return (
         changes.groupBy(*spec.primary_key)
-        .agg(newest.alias("_newest"))
-        .select(*[F.col(f"_newest.{c}").alias(c) for c in columns])
+        .agg(newest.alias("_newest"), *toasts)
+        .select(
+            *[F.col(f"_value_{c}" if c in toasted else f"_newest.{c}").alias(c) for c in columns],
+            *[F.col(value_sequence(c)) for c in toasted],
+        )
     )
 
 
@@ -150,10 +165,16 @@ def added_columns(spark: SparkSession, path: str, spec: TableSpec) -> dict[str, 
     return {f.name: f.dataType.simpleString() for f in schema if f.name.lower() not in known}
 
 
-def ensure_mirror_table(spark: SparkSession, path: str, changes: DataFrame) -> DeltaTable:
-    """Creates the mirror (change data feed on) the first time; new columns come via MERGE."""
+def ensure_mirror_table(
+    spark: SparkSession, path: str, changes: DataFrame, spec: TableSpec
+) -> DeltaTable:
+    """Creates the mirror (change data feed on) the first time; new columns come via MERGE.
+
+    The sequence columns of toasted columns are added first if the table predates them,
+    because the MERGE reads them from the table.
+    """
     schema = changes.schema
-    return (
+    table = (
         DeltaTable.createIfNotExists(spark)
         .location(path)
         .addColumns(schema)
@@ -161,6 +182,16 @@ def ensure_mirror_table(spark: SparkSession, path: str, changes: DataFrame) -> D
         .property("delta.enableDeletionVectors", "true")
         .execute()
     )
+    stored = {f.name.lower() for f in table.toDF().schema}
+    missing = [
+        f"`{value_sequence(c)}` {schema[value_sequence(c)].dataType.simpleString()}"
+        for c in spec.toasted_columns
+        if value_sequence(c).lower() not in stored
+    ]
+    if missing:
+        quoted = path.replace("`", "``")
+        spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
+    return table
 
 
 def commit_metadata_text(metadata: dict) -> str:
@@ -223,21 +254,35 @@ def _merge_once(
 ) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
-    table = ensure_mirror_table(spark, path, source)
+    table = ensure_mirror_table(spark, path, source, spec)
     on = " AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key)
     newer = f"s.`{SEQUENCE}` > t.`{SEQUENCE}`"
-    everything = {c: f"s.`{c}`" for c in mirror_columns(spec)}
+    inserted = {c: f"s.`{c}`" for c in mirror_columns(spec)}
+    # A toasted column takes the source's value only when it is newer than the stored one's,
+    # even from a change that is stale for the row (an older hour run later fills it in).
+    fills, filled = [], {}
+    for c in spec.toasted_columns:
+        ours, theirs = F.col(f"s.`{value_sequence(c)}`"), F.col(f"t.`{value_sequence(c)}`")
+        fill = ours.isNotNull() & (theirs.isNull() | (ours > theirs))
+        fills.append(fill)
+        filled[c] = F.when(fill, F.col(f"s.`{c}`")).otherwise(F.col(f"t.`{c}`"))
+        filled[value_sequence(c)] = F.when(fill, ours).otherwise(theirs)
+    everything = {**inserted, **filled}
     merge = table.alias("t").merge(source.alias("s"), on).withSchemaEvolution()
     if spec.delete_mode == "hard":
-        merge = (
-            merge.whenMatchedDelete(condition=f"{newer} AND s.`{OP}` = 'd'")
-            .whenMatchedUpdate(condition=newer, set=everything)
-            .whenNotMatchedInsert(condition=f"s.`{OP}` <> 'd'", values=everything)
-        )
+        merge = merge.whenMatchedDelete(condition=f"{newer} AND s.`{OP}` = 'd'")
+    merge = merge.whenMatchedUpdate(condition=newer, set=everything)
+    if fills:
+        any_fill = fills[0]
+        for fill in fills[1:]:
+            any_fill = any_fill | fill
+        merge = merge.whenMatchedUpdate(condition=any_fill, set=filled)
+    if spec.delete_mode == "hard":
+        merge = merge.whenNotMatchedInsert(condition=f"s.`{OP}` <> 'd'", values=inserted)
     else:
         # A soft delete stores the delete's before-image (the row as the source last had it),
         # so the tombstone row is the same whichever order the hours ran in.
-        merge = merge.whenMatchedUpdate(condition=newer, set=everything).whenNotMatchedInsertAll()
+        merge = merge.whenNotMatchedInsertAll()
     truncated = 0
     if truncate_before is not None:
         older = F.col(f"t.`{SEQUENCE}`") < truncate_before

@@ -33,6 +33,9 @@ from typing import Any
 from cdc_assets.config import TableSpec
 
 KNOWN_OPS = ("c", "r", "u", "d")
+# Debezium's stand-in for an unchanged TOASTed value; only `toasted_columns` may carry it.
+UNAVAILABLE_VALUE = "__debezium_unavailable_value"
+_UNAVAILABLE = object()
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _EPOCH_DATE = date(1970, 1, 1)
@@ -77,7 +80,9 @@ def replay_with_errors(
     """Like `replay`, also returning the rejected records as (partition, offset, reason).
 
     Reasons start with one of: "oversized", "invalid json", "missing op", "unknown op",
-    "missing sequence", "missing row", "missing primary key", "key mismatch", "wrong type".
+    "missing sequence", "missing row", "missing primary key", "key mismatch", "wrong type",
+    "unavailable placeholder" (in a column not listed under ``toasted_columns``). A toasted
+    column holds the newest value that any change of its key carried.
     A truncate (op ``t``, known when the spec says ``on_truncate: apply``) deletes every row
     whose last change is older than it.
     """
@@ -85,6 +90,8 @@ def replay_with_errors(
     latest: dict[tuple, tuple[tuple, Row | None]] = {}
     errors: list[ReplayError] = []
     truncated_before: tuple | None = None  # the newest truncate's position
+    # key -> toasted column -> (position, value) of the newest change that carried a value
+    toasted: dict[tuple, dict[str, tuple[tuple, Any]]] = {}
     for partition, offset, value, *kafka_key in records:
         if value is None:
             continue  # tombstone: log compaction's marker, the delete event came before it
@@ -100,6 +107,14 @@ def replay_with_errors(
             truncated_before = max(truncated_before or position, position)
             continue
         key = tuple(row[col] for col in spec.primary_key)
+        for col in spec.toasted_columns:
+            carried = toasted.setdefault(key, {}).get(col)
+            if (
+                op != "d"
+                and row[col] is not _UNAVAILABLE
+                and (carried is None or position > carried[0])
+            ):
+                toasted[key][col] = (position, row[col])
         current = latest.get(key)
         if current is not None and position <= current[0]:
             continue
@@ -110,6 +125,13 @@ def replay_with_errors(
         for key, (position, row) in latest.items()
         if row is not None and (truncated_before is None or position > truncated_before)
     }
+    # A toasted column holds the newest value any change of the key carried.
+    for key, row in live.items():
+        carried = toasted.get(key, {})
+        live[key] = {
+            **row,
+            **{col: carried[col][1] if col in carried else None for col in spec.toasted_columns},
+        }
     return live, errors
 
 
@@ -141,10 +163,14 @@ def _parse(
     absent = [col for col in spec.columns if col not in raw]
     if absent:
         raise _Malformed(f"missing column: {absent} absent from 'after'")
-    row = {
-        col: _convert(col, spark_type, raw.get(col), logical_types.get(col))
-        for col, spark_type in [*spec.columns.items(), *added.items()]
-    }
+    row = {}
+    for col, spark_type in [*spec.columns.items(), *added.items()]:
+        if raw.get(col) == UNAVAILABLE_VALUE and col in spec.columns:
+            if col not in spec.toasted_columns:
+                raise _Malformed(f"unavailable placeholder in column {col}")
+            row[col] = _UNAVAILABLE  # unchanged: the value comes from an earlier change
+        else:
+            row[col] = _convert(col, spark_type, raw.get(col), logical_types.get(col))
     _check_key(spec, row, kafka_key)
     return op, sequence, row
 

@@ -72,6 +72,7 @@ SCENARIOS = (
     "broker_restarted_mid_read",
     "schema_new_column_and_type_change",
     "malformed_mistyped_oversized_unknown",
+    "toasted_value_unchanged",
     "blocking_check_holds_downstream",
     "sasl_scram_tls",
     "sensitive_columns_masked",

@@ -365,3 +365,48 @@ def test_a_new_column_is_added_and_incompatible_values_are_errors(broker, scenar
     assert tiers == {1: "gold", 2: None, 3: None, 4: "silver"}
     assert results[1].error_reasons == {"column 'balance' does not convert to bigint": 1}
     assert results[2].error_reasons == {"column 'tier' does not convert to string": 1}
+
+
+def test_an_unchanged_toasted_value_keeps_the_newest_known_one(broker, scenario, spark, tmp_path):
+    spec, run, check = scenario("toast", toasted_columns=("name",))
+    unchanged = "__debezium_unavailable_value"
+    changes = [
+        table.change("c", 1, 101, second=1, name="long text 1"),
+        table.change("u", 1, 102, second=2, name=unchanged),  # only balance changed
+        table.change("c", 2, 103, second=3, name="long text 2"),
+        table.change("c", 3, 104, second=4, name="long text 3"),
+        table.change("u", 2, 201, hour=1, second=1, name="long text 2, edited"),
+        table.change("u", 1, 202, hour=1, second=2, name=unchanged),
+        table.change("u", 2, 301, hour=2, second=1, name=unchanged),
+        table.change("u", 3, 302, hour=2, second=2, name=unchanged),
+        # The placeholder in a column not listed under toasted_columns is an error.
+        table.raw(
+            json.dumps(
+                {
+                    "op": "u",
+                    "after": {"id": 3, "name": "x", "balance": unchanged},
+                    "source": {"lsn": 303},
+                }
+            ).encode(),
+            key=table.key_bytes(3),
+        ),
+    ]
+    changes[-1] = table.Change(2, changes[-1].value, changes[-1].key, None, 3)
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, 2, after_hour=2)
+
+    outcomes = []
+    for n, order in enumerate([(0, 1, 2), (2, 1, 0, 2)]):  # in order; newest first, repeated
+        lake = LakeResource(root=str(tmp_path / f"order{n}"))
+        for hour in order:
+            assert _accounted(run(hour, lake=lake))
+        ref = table.reference(broker, spec)
+        outcomes.append(
+            compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+        )
+    figures = ("lost", "duplicates", "resurrected", "mismatches")
+    total = Comparison(**{n: sum(getattr(c, n) for c in outcomes) for n in figures})
+    record("toasted_value_unchanged", total, faults=5)
+    assert total.clean, [c.details for c in outcomes]
+    names = {k: row["name"] for k, row in table.reference(broker, spec).expected.items()}
+    assert names == {(1,): "long text 1", (2,): "long text 2, edited", (3,): "long text 3"}

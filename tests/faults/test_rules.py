@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 from delta.exceptions import ConcurrentAppendException
+from pydantic import ValidationError
 
 from cdc_assets import merge
+from cdc_assets.config import TableSpec
 from cdc_assets.decode import added_column_types
 from cdc_assets.hour_run import truncate_watermark
 
@@ -74,3 +76,17 @@ def test_added_columns_take_their_type_from_their_values():
         "mixed": "string",
     }
     assert added_column_types({"Tier": "STRING"}, ["tier"]) == {}  # Spark's names ignore case
+
+
+def test_toasted_columns_must_be_declared_non_key_columns():
+    base = {
+        "name": "t",
+        "topic": "t",
+        "primary_key": ["id"],
+        "columns": {"id": "bigint", "body": "string"},
+        "start_hour": "2026-11-01-00:00",
+    }
+    assert TableSpec(**base, toasted_columns=["body"]).toasted_columns == ("body",)
+    for wrong in (["id"], ["nope"]):
+        with pytest.raises(ValidationError, match="not a non-key column"):
+            TableSpec(**base, toasted_columns=wrong)
