@@ -32,7 +32,7 @@ from tests.support import (
 
 pytestmark = pytest.mark.integration
 
-HOURS = 3
+HOURS = 4
 CHANGES_PER_HOUR = 120
 
 
