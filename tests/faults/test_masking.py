@@ -236,7 +236,7 @@ def test_sensitive_columns_are_masked_and_never_leak(
         spark.read.format("delta").load(str(errors_path)).select(F.col("value").cast("string"))
     )
     assert _hits("\n".join(r[0] for r in error_values.collect()), {bad_email}) == {bad_email}
-    assert "patients" in sources["stdout/stderr"] and "kafka.conn" in sources["python logging"]
+    assert "patients" in sources["stdout/stderr"] and "kafka.net" in sources["python logging"]
     assert "hmac_sha256" in plan and "ASSET_MATERIALIZATION" in sources["event log"]
 
     assert comparison.clean, comparison
