@@ -206,8 +206,11 @@ def test_the_sensors_materialize_every_closed_hour_and_its_downstream(dagster_de
             if materialized != set(keys):
                 return state
             # Every check the hour's run evaluates passed on every hour (retention_risk runs
-            # on its own and is not part of the sensor's runs).
-            if any(checks[name] != set(keys) for name in checks if name != "retention_risk"):
+            # on its own and is not part of the sensor's runs; schema_drift is a warning that
+            # the demo's deliberately mistyped records raise whenever one lands in a column
+            # of a stricter kind, which depends on the hour the test seeds).
+            skipped = ("retention_risk", "schema_drift")
+            if any(checks[name] != set(keys) for name in checks if name not in skipped):
                 return state
         state["runs"] = [r["status"] for r in sensor_runs()]
         return all(status == "SUCCESS" for status in state["runs"]) or state
