@@ -30,9 +30,17 @@ from tests.conftest import _free_port
 
 pytestmark = pytest.mark.integration
 
-NOW = datetime.now(UTC)
-H = [NOW.replace(minute=0, second=0, microsecond=0) - timedelta(hours=n) for n in (5, 4, 3, 2, 1)]
-KEYS = [h.strftime("%Y-%m-%d-%H:%M") for h in H]
+H: list[datetime] = []  # the 5 hours before the current one, oldest first
+KEYS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _hours_before_now():
+    """Counts the hours back from when each test starts, not from collection: a suite that
+    runs past the top of an hour before reaching these tests would see one more closed hour."""
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    H[:] = [now - timedelta(hours=n) for n in (5, 4, 3, 2, 1)]
+    KEYS[:] = [h.strftime("%Y-%m-%d-%H:%M") for h in H]
 
 
 def _spec(topic: str, *, lateness: int) -> TableSpec:
