@@ -97,16 +97,16 @@ def _split_field(item: str) -> tuple[str, str]:
     return name.strip(), kind.strip()
 
 
-def source_kinds(decoded: DataFrame, object_schema: str | None) -> dict[str, str]:
+def source_kinds(decoded: DataFrame) -> dict[str, str]:
     """Column → JSON kind of the rows an hour's changes carried (inserts, updates, snapshots).
 
-    `object_schema` is `schema_of_variant_agg` over those rows; where a column's kind varied it
-    says only VARIANT, and the distinct kinds are looked up, joined by '|'.
+    One `schema_of_variant_agg` over those rows; where a column's kind varied it says only
+    VARIANT, and the distinct kinds are looked up (a second job), joined by '|'.
     """
-    fields = parse_object_fields(object_schema)
+    rows = decoded.where(~F.col(TOMBSTONE) & F.col(OP).isin("c", "u", "r"))
+    fields = parse_object_fields(rows.agg(F.schema_of_variant_agg(F.col(ROW))).first()[0])
     mixed = [column for column, kind in fields.items() if kind == "VARIANT"]
     if mixed:
-        rows = decoded.where(~F.col(TOMBSTONE) & (F.col(OP) != "d"))
         kinds = rows.agg(
             *[
                 F.array_sort(

@@ -20,7 +20,6 @@ from cdc_assets.decode import (
     KAFKA_OFFSET,
     KAFKA_PARTITION,
     OP,
-    ROW,
     SEQUENCE,
     SOURCE_TS,
     TOMBSTONE,
@@ -35,6 +34,7 @@ from cdc_assets.merge import (
     hour_history,
     latest_per_key,
     merge_changes,
+    mirror_schema,
     write_errors,
 )
 from cdc_assets.read import read_slice
@@ -123,12 +123,6 @@ class TruncateError(RuntimeError):
     """A truncate event in an hour of a table configured with on_truncate: fail."""
 
 
-def _source_schema(decoded: DataFrame) -> str | None:
-    """`schema_of_variant_agg` of the rows the hour's inserts, updates and snapshots carried."""
-    rows = F.when(~F.col(TOMBSTONE) & F.col(OP).isin("c", "u", "r"), F.col(ROW))
-    return decoded.agg(F.schema_of_variant_agg(rows)).first()[0]
-
-
 def truncate_watermark(history: list[dict], hour_truncate: list | None) -> list | None:
     """The newest truncate's sequence among the recorded runs and this hour, or None."""
     found = [c["truncated_before"] for c in history if c.get("truncated_before") is not None]
@@ -176,7 +170,8 @@ def run_hour(
     now = now or datetime.now(UTC)
     path = lake.table_path(spec.name)
     last_version, history = hour_history(spark, path)
-    check_stored_mirror(spark, path, spec)  # no raw sensitive values beside masked ones
+    stored_schema = mirror_schema(spark, path)
+    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
     consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:
@@ -219,9 +214,9 @@ def run_hour(
 
     # Columns the mirror gained earlier, then any the hour's rows bring (decoded again for them:
     # only the hour a column first appears pays that second read).
-    added = added_columns(spark, path, spec)  # `ignore` stops new ones, not these
+    added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
     decoded = decoded_with(added)
-    source_fields = source_kinds(decoded, _source_schema(decoded))
+    source_fields = source_kinds(decoded)
     new = added_column_types(source_fields, [*spec.columns, *added])
     if spec.new_columns == "add" and new:
         decoded.unpersist()
@@ -286,6 +281,7 @@ def run_hour(
             _fail_on_sequence_mismatch(spec, hour_key, reasons, totals)
             write_errors(
                 spark,
+                spec.error_table_name,
                 lake.table_path(spec.error_table_name),
                 decoded.where(F.col(ERROR).isNotNull()),
                 hour_key=hour_key,

@@ -26,7 +26,7 @@ The rules, stated once:
 from __future__ import annotations
 
 import pandas as pd
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -111,17 +111,16 @@ def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> Da
     return masked.drop(*dropped_columns(spec))
 
 
-def check_stored_mirror(spark: SparkSession, path: str, spec: TableSpec) -> None:
-    """Refuses to run when the mirror already stores a sensitive column unmasked.
+def check_stored_mirror(schema: T.StructType | None, path: str, spec: TableSpec) -> None:
+    """Refuses to run when the mirror (`schema`, None before its first run) already stores a
+    sensitive column unmasked.
 
     Marking a column sensitive doesn't rewrite the rows already stored; rather than leave raw
     values beside hashed ones, the run stops and says how to rebuild the mirror.
     """
-    from delta.tables import DeltaTable
-
-    if not spec.sensitive or not DeltaTable.isDeltaTable(spark, path):
+    if not spec.sensitive or schema is None:
         return
-    fields = {f.name: f for f in spark.read.format("delta").load(path).schema.fields}
+    fields = {f.name: f for f in schema.fields}
     raw = [c for c in dropped_columns(spec) if c in fields]
     raw += [
         c

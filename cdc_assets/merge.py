@@ -156,12 +156,18 @@ def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
     )
 
 
-def added_columns(spark: SparkSession, path: str, spec: TableSpec) -> dict[str, str]:
-    """Source columns the mirror gained without a declaration (name → type), from its schema."""
+def mirror_schema(spark: SparkSession, path: str) -> T.StructType | None:
+    """The stored mirror's schema, None before its first run."""
     if not DeltaTable.isDeltaTable(spark, path):
+        return None
+    return DeltaTable.forPath(spark, path).toDF().schema
+
+
+def added_columns(schema: T.StructType | None, spec: TableSpec) -> dict[str, str]:
+    """Source columns the mirror gained without a declaration (name → type), from its schema."""
+    if schema is None:
         return {}
     known = {c.lower() for c in [*spec.columns, *spec.sensitive, *mirror_columns(spec)]}
-    schema = DeltaTable.forPath(spark, path).toDF().schema
     return {f.name: f.dataType.simpleString() for f in schema if f.name.lower() not in known}
 
 
@@ -380,12 +386,12 @@ def _outcome(
 
 
 def write_errors(
-    spark: SparkSession, path: str, errors: DataFrame, *, hour_key: str, ingested_at
+    spark: SparkSession, table: str, path: str, errors: DataFrame, *, hour_key: str, ingested_at
 ) -> None:
-    """Adds bad records to the error table once each, keyed by their Kafka coordinates."""
+    """Adds bad records to error table `table` once each, keyed by their Kafka coordinates."""
     retry_on_conflict(
         lambda: _write_errors_once(spark, path, errors, hour_key=hour_key, ingested_at=ingested_at),
-        table=path.rstrip("/").rsplit("/", 1)[-1],
+        table=table,
         path=path,
     )
 

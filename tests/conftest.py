@@ -14,6 +14,27 @@ from devtools import kafka_broker
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
+from tests.faults import figures
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A fault scenario whose test failed after recording its figures is reported as failed."""
+    report = yield
+    if report.failed:
+        figures.fail_recorded_by(item.nodeid)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _fault_figures_owner(request):
+    """Ties the figures a test records to it (see `pytest_runtest_makereport`)."""
+    with figures.recording_for(request.node.nodeid):
+        yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    figures.save()  # the fault scenarios' figures, for `python -m tests.faults.report`
 
 
 def _free_port() -> int:

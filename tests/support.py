@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import UTC, datetime, timedelta
 
 from kafka import KafkaConsumer, TopicPartition
@@ -44,8 +45,8 @@ def seed_demo(
     return source, produce(records, bootstrap, partitions=partitions)
 
 
-def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, int]]:
-    """Every committed record of `topic` as (partition, offset, value, timestamp_ms)."""
+def read_records(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes, int]]:
+    """Every committed record of `topic` as (partition, offset, value, key, timestamp_ms)."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -60,10 +61,39 @@ def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None,
         out = []
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             for batch in consumer.poll(timeout_ms=1_000).values():
-                out += [(m.partition, m.offset, m.value, m.timestamp) for m in batch]
+                out += [(m.partition, m.offset, m.value, m.key, m.timestamp) for m in batch]
         return out
     finally:
         consumer.close()
+
+
+def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, int]]:
+    """Every committed record of `topic` as (partition, offset, value, timestamp_ms)."""
+    return [(p, o, v, ts) for p, o, v, _, ts in read_records(bootstrap, topic)]
+
+
+def accounts_spec(topic: str, *, balance: str = "decimal(10,2)", **overrides) -> TableSpec:
+    """The small `accounts` table the edge and fault tests write their own changes for."""
+    return TableSpec(
+        name="accounts",
+        topic=topic,
+        primary_key=("id",),
+        columns={"id": "bigint", "name": "string", "balance": balance},
+        start_hour="2026-11-01-00:00",
+        **overrides,
+    )
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports nothing listens on right now (all held at once so none repeats)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def mirror_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:

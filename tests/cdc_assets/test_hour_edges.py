@@ -17,7 +17,7 @@ from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from demo.reference import replay_with_errors
 from resources.lake import LakeResource
-from tests.support import diff_rows, mirror_rows, read_topic
+from tests.support import accounts_spec, diff_rows, mirror_rows, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +37,6 @@ def run(spark, kafka):
     return _run
 
 
-def _spec(topic: str, **overrides) -> TableSpec:
-    return TableSpec(
-        name="accounts",
-        topic=topic,
-        primary_key=("id",),
-        columns={"id": "bigint", "name": "string", "balance": "decimal(10,2)"},
-        start_hour="2026-11-01-00:00",
-        **overrides,
-    )
-
-
 def _change(op: str, row_id: int, lsn: int, name: str = "n", balance="1.00") -> bytes:
     row = {"id": row_id, "name": name, "balance": balance}
     envelope = {
@@ -65,7 +54,7 @@ def _ms(moment: datetime) -> int:
 
 def test_an_open_hour_is_refused_until_forced(run, create_topic, send, kafka, spark, lake):
     topic = create_topic("open-hour", partitions=2)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     send(topic, b'{"id":1}', _change("c", 1, 10), _ms(HOUR) + 1_000, partition=0)
     send(topic, b'{"id":2}', _change("c", 2, 11), _ms(HOUR) + 2_000, partition=1)
     # Partition 1 has moved past the hour, partition 0 has not.
@@ -96,7 +85,7 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     create_topic, send, kafka, spark_resource, lake
 ):
     topic = create_topic("current-hour", partitions=1)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     now = datetime.now(UTC)
     send(topic, b'{"id":1}', _change("c", 1, 10), _ms(now))
     key = now.strftime("%Y-%m-%d-%H:00")
@@ -131,7 +120,7 @@ def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
     run, create_topic, send, broker, kafka, spark, lake, tmp_path
 ):
     topic = create_topic("retention", partitions=1)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     for n in range(10):
         send(topic, b"{}", _change("c", n, 100 + n), _ms(HOUR) + n)
     nxt = HOUR + timedelta(hours=1)
@@ -157,7 +146,7 @@ def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
         run(spec, fresh, hour_key=next_key)
 
     # A table that accepts the loss materializes what is left and says what was lost.
-    accepting = _spec(topic, accept_data_loss=True)
+    accepting = accounts_spec(topic, accept_data_loss=True)
     result = run(accepting, lake, hour_key=next_key)
     assert [r.describe() for r in result.slice.lost] == ["partition 0: offsets [10, 15)"]
     assert result.counts.consumed == 5 and result.counts.applied == 5
@@ -167,7 +156,7 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
     run, create_topic, send, broker, kafka, spark, lake
 ):
     topic = create_topic("bad-records", partitions=2)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     t = _ms(HOUR)
     good = [
         (b'{"id":1}', _change("c", 1, 10, balance="5.00")),
@@ -235,7 +224,7 @@ def test_deletes_need_only_their_key(run, create_topic, send, broker, kafka, spa
     """Key-only before-images (Postgres' default replica identity), a null before-image with
     the key in the Kafka key, and a before-image with a bad non-key value all delete the row."""
     topic = create_topic("key-only-deletes", partitions=1)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     t = _ms(HOUR)
     for n in (1, 2, 3, 4):
         send(topic, b'{"id":%d}' % n, _change("c", n, n), t + n)
@@ -321,7 +310,7 @@ def test_timestamps_in_each_unit_and_bad_source_times(
 
 def test_hard_deletes_remove_rows(run, create_topic, send, broker, kafka, spark, lake):
     topic = create_topic("hard-deletes", partitions=2)
-    spec = _spec(topic, delete_mode="hard")
+    spec = accounts_spec(topic, delete_mode="hard")
     t = _ms(HOUR)
     send(topic, b'{"id":1}', _change("c", 1, 1), t, partition=0)
     send(topic, b'{"id":2}', _change("c", 2, 2), t + 1, partition=1)
@@ -343,7 +332,7 @@ def test_a_late_record_after_an_idle_close_lands_in_the_next_hour(
     """I1 with the slice log: an idle partition closed by lateness ends at its end offset; a
     record stamped inside that hour arriving later is read by the next hour, not skipped."""
     topic = create_topic("idle-close", partitions=1)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
     t = _ms(HOUR)
     send(topic, b'{"id":1}', _change("c", 1, 1), t + 10)
     first = run(spec, lake, now=HOUR + timedelta(hours=1, minutes=20))
@@ -361,7 +350,7 @@ def test_a_sequence_the_connector_does_not_send_fails_fast(
     run, create_topic, send, kafka, spark, lake
 ):
     topic = create_topic("mysql-style", partitions=1)
-    spec = _spec(topic)  # expects source.lsn; this "MySQL" connector sends file/pos
+    spec = accounts_spec(topic)  # expects source.lsn; this "MySQL" connector sends file/pos
     mysql = json.dumps(
         {
             "op": "c",

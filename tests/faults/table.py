@@ -12,24 +12,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from cdc_assets.config import TableSpec
 from demo.reference import replay
+from tests.support import accounts_spec, read_records
 
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
 KEY_FORMAT = "%Y-%m-%d-%H:%M"
 
 
 def spec(topic: str, **overrides) -> TableSpec:
-    return TableSpec(
-        name="accounts",
-        topic=topic,
-        primary_key=("id",),
-        columns={"id": "bigint", "name": "string", "balance": "bigint"},
-        start_hour="2026-11-01-00:00",
-        **overrides,
-    )
+    return accounts_spec(topic, balance="bigint", **overrides)
 
 
 def hour_key(n: int) -> str:
@@ -132,27 +126,6 @@ def close_hours(bootstrap: str, topic: str, partitions: int, after_hour: int) ->
 class Reference:
     expected: dict[tuple, dict]
     seen_keys: set[tuple]
-
-
-def read_records(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes, int]]:
-    """Every committed record as (partition, offset, value, key, timestamp_ms)."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for batch in consumer.poll(timeout_ms=1_000).values():
-                out += [(m.partition, m.offset, m.value, m.key, m.timestamp) for m in batch]
-        return out
-    finally:
-        consumer.close()
 
 
 def reference(

@@ -26,6 +26,7 @@ from checks.invariants import accounting_result
 from resources.lake import LakeResource
 from tests.faults import table
 from tests.faults.figures import Comparison, compare, record
+from tests.support import read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -257,9 +258,9 @@ def test_a_topic_compacted_between_two_runs_of_an_hour(broker, scenario, lake):
         time.sleep(1)
         table.close_hours(broker, topic, 1, after_hour=1)  # rolls the segment again
         deadline = time.monotonic() + 90
-        while len(table.read_records(broker, topic)) >= 32 and time.monotonic() < deadline:
+        while len(read_topic(broker, topic)) >= 32 and time.monotonic() < deadline:
             time.sleep(2)
-        remaining = len(table.read_records(broker, topic))
+        remaining = len(read_topic(broker, topic))
         assert remaining < 32, "the log cleaner did not compact the topic in 90 s"
         second = run(0)
         assert second.counts.consumed < first.counts.consumed

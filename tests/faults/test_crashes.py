@@ -53,7 +53,7 @@ from tests.conftest import _free_port
 from tests.faults.figures import compare, record
 from tests.faults.hour_child import TAGS as CHILD_TAGS
 from tests.faults.hour_child import dagster_home
-from tests.support import read_topic
+from tests.support import accounts_spec, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -82,16 +82,6 @@ FETCH_BYTES = 16 * 1024
 FETCH_WAIT_MS = 200
 RESTART_PAUSE_S = 2
 RUN_BOUND_S = 150  # longer than Spark's Kafka poll timeout (120 s): beyond it the run hangs
-
-
-def _spec(topic: str) -> TableSpec:
-    return TableSpec(
-        name="accounts",
-        topic=topic,
-        primary_key=("id",),
-        columns={"id": "bigint", "name": "string", "balance": "decimal(10,2)"},
-        start_hour="2026-11-01-00:00",
-    )
 
 
 # --- Kafka: the hours and their reference ---------------------------------------------------
@@ -450,7 +440,7 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Children]:
 @pytest.fixture(scope="module")
 def crash_hours(broker: str) -> Iterator[tuple[TableSpec, Reference, Reference]]:
     """The topic: the previous hour and the hour; the references after each."""
-    spec = _spec(f"crash-{os.getpid()}-{time.monotonic_ns()}")
+    spec = accounts_spec(f"crash-{os.getpid()}-{time.monotonic_ns()}")
     _create_topic(broker, spec.topic)
     previous, hour = _generate(previous_rows=PREVIOUS_ROWS, changes=HOUR_CHANGES, seed=2)
     _produce(broker, spec.topic, previous + hour, batch_bytes=256 * 1024)
@@ -615,7 +605,7 @@ def test_a_broker_restarted_mid_read_fails_the_run_cleanly_or_not_at_all(
     private_broker, spark, tmp_path
 ):
     bootstrap = private_broker.bootstrap
-    spec = _spec(f"restart-{os.getpid()}")
+    spec = accounts_spec(f"restart-{os.getpid()}")
     _create_topic(bootstrap, spec.topic)
     _, hour = _generate(previous_rows=0, changes=RESTART_CHANGES, seed=12, pad=RESTART_PAD)
     # Small producer batches: a fetch returns whole batches.

@@ -47,3 +47,17 @@ def test_figures_of_a_partial_run_replace_only_their_scenarios(tmp_path):
         figures._RECORDED[:] = session
     saved = {r["scenario"]: r for r in json.loads(path.read_text())}
     assert saved["a"]["faults"] == 1 and saved["b"]["faults"] == 5 and "measured" in saved["b"]
+
+
+def test_figures_of_a_failed_test_are_reported_as_failed():
+    session = list(figures._RECORDED), list(figures._OWNERS)
+    try:
+        with figures.recording_for("tests/x.py::test_a"):
+            figures.record("a", figures.Comparison(), faults=1)
+        with figures.recording_for("tests/x.py::test_b"):
+            figures.record("b", figures.Comparison(), faults=1)
+        figures.fail_recorded_by("tests/x.py::test_a")
+        passed = {f.scenario: f.passed for f in figures._RECORDED[-2:]}
+        assert passed == {"a": False, "b": True}
+    finally:
+        figures._RECORDED[:], figures._OWNERS[:] = session

@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import secrets
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -35,7 +34,6 @@ from dagster._serdes import serialize_value
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
-from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
 from cdc_assets.read import read_slice
@@ -45,7 +43,7 @@ from devtools import kafka_broker
 from resources.kafka import KafkaAuthenticationError, KafkaResource
 from resources.lake import LakeResource
 from tests.faults.figures import compare, record
-from tests.support import read_topic
+from tests.support import accounts_spec, free_ports, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -77,22 +75,10 @@ class SecureBroker:
         )
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct ports nothing listens on right now (all held at once so none repeats)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 @pytest.fixture(scope="module")
 def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
     """A broker with PLAINTEXT (the test's own clients) and SASL_SSL (the pipeline)."""
-    port, controller_port, sasl_port = _free_ports(3)
+    port, controller_port, sasl_port = free_ports(3)
     config = kafka_broker.BrokerConfig(
         port=port,
         controller_port=controller_port,
@@ -110,16 +96,6 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
         yield SecureBroker(config, password)
     finally:
         kafka_broker.stop(config)
-
-
-def _spec(topic: str) -> TableSpec:
-    return TableSpec(
-        name="accounts",
-        topic=topic,
-        primary_key=("id",),
-        columns={"id": "bigint", "name": "string", "balance": "decimal(10,2)"},
-        start_hour="2026-11-01-00:00",
-    )
 
 
 def _changes(seed: int, count: int) -> list[tuple[int, str, bytes]]:
@@ -296,7 +272,7 @@ def test_pipeline_reads_over_sasl_scram_tls_and_the_password_leaks_nowhere(
     changes = _changes(seed=11, count=48)
     assert {op for _, op, _ in changes} == {"c", "u", "d"}
     _produce(config.bootstrap, topic, changes)
-    spec = _spec(topic)
+    spec = accounts_spec(topic)
 
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="kafka")
@@ -417,7 +393,7 @@ def test_a_wrong_password_fails_in_bounded_time_naming_the_sasl_failure(
             spark=spark,
             kafka=bad,
             lake=LakeResource(root=str(tmp_path / "lake")),
-            spec=_spec(topic),
+            spec=accounts_spec(topic),
             hour_key=KEY,
         )
     assert time.monotonic() - started < FAIL_WITHIN_S
