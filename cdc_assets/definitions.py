@@ -10,7 +10,7 @@ from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
 from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_retention_check_for, build_table_asset
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource
+from resources.lake import LakeResource, s3_resource_from_env
 from resources.masking import MASKING_KEY_ENV, MaskingResource
 from resources.spark import SparkResource
 from sensors.downstream import build_downstream_sensor
@@ -36,7 +36,8 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
                 bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS"),
             ),
             "spark": SparkResource(),
-            "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT")),
+            # A folder, or s3://bucket/prefix reached with the AWS settings of the environment.
+            "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT"), s3=s3_resource_from_env()),
             # Required only by tables that hash a column (`sensitive`); others need no key.
             "masking": MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)),
         },

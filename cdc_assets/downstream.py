@@ -137,6 +137,7 @@ def build_order_facts(specs: dict[str, TableSpec]) -> dg.AssetsDefinition:
         a day of hours per run.
         """
         session = spark.session
+        lake.connect(session)
         paths = {name: lake.table_path(name) for name in UPSTREAM}
         # One snapshot of each mirror for the whole run: its live rows are read at this version.
         logs = {name: hour_history(session, path) for name, path in paths.items()}
@@ -441,6 +442,7 @@ def build_daily_sales(
         is when the day runs: a later change to that day's orders shows once the day runs again.
         """
         session = spark.session
+        lake.connect(session)
         facts_path = lake.table_path(ORDER_FACTS)
         path = lake.table_path(DAILY_SALES)
         for key in context.partition_keys:

@@ -23,7 +23,7 @@ from checks.table_checks import (
     run_check_specs,
 )
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource
+from resources.lake import LakeConfigError, LakeResource
 from resources.masking import HmacKey, MaskingKeyError
 from resources.spark import SparkResource
 
@@ -208,7 +208,13 @@ def _hour(
             force_open_hour=config.force_open_hour,
             masking_key=masking_key,
         )
-    except (SliceError, SequenceConfigError, TruncateError, MaskedMirrorError) as exc:
+    except (
+        SliceError,
+        SequenceConfigError,
+        TruncateError,
+        MaskedMirrorError,
+        LakeConfigError,
+    ) as exc:
         written = ""
         if done:
             written = (

@@ -168,6 +168,7 @@ def run_hour(
 ) -> HourResult:
     """Materializes one hour of `spec` into its Delta mirror and returns what happened."""
     now = now or datetime.now(UTC)
+    lake.connect(spark)
     path = lake.table_path(spec.name)
     last_version, history = hour_history(spark, path)
     stored_schema = mirror_schema(spark, path)

@@ -174,6 +174,7 @@ def _retention_check(spec: TableSpec, partitions_def, policy) -> dg.AssetChecksD
         spark: SparkResource,
         lake: LakeResource,
     ) -> dg.AssetCheckResult:
+        lake.connect(spark.session)
         _, history = hour_history(spark.session, lake.table_path(spec.name))
         consumer = kafka.consumer()
         try:

@@ -1,11 +1,138 @@
-"""Where the Delta tables live: a local folder by default, any Hadoop filesystem URI otherwise."""
+"""Where the Delta tables live: a local folder by default, or S3 through dagster-aws.
+
+An `s3://bucket/prefix` (or `s3a://`) root is read and written by Spark's S3A filesystem
+(hadoop-aws, `.jars/s3/` from pom.xml). Its endpoint, region and credentials come from the
+lake's dagster-aws `S3Resource` (fields as `dg.EnvVar`, or boto3's own chain: environment,
+profile, instance role), and `LakeResource.connect(spark)` hands them to S3A for the lake's
+bucket only, before anything touches a table.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
+import boto3
+import botocore.exceptions
 import dagster as dg
-from pydantic import Field
+from dagster_aws.s3 import S3Resource
+from pydantic import Field, PrivateAttr
+from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+# boto3's credential methods whose keys don't expire: S3A gets the keys themselves. Refreshing
+# ones (instance or container role, assume-role, SSO) are left to S3A's own provider chain,
+# which refreshes them; handing over a snapshot would fail once it expires mid-backfill.
+STATIC_CREDENTIALS = {"explicit", "env", "shared-credentials-file", "config-file"}
+S3A_FILESYSTEM = "org.apache.hadoop.fs.s3a.S3AFileSystem"
+# The S3 resource's credential fields a deployment sets through the environment.
+CREDENTIAL_ENV = {
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+}
+
+
+class LakeConfigError(RuntimeError):
+    """The lake can't be used as configured; the message names the setting and the fix."""
+
+
+class LakeUnavailableError(RuntimeError):
+    """S3 did not answer; retrying may help (the run's retry policy does)."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str
+
+
+def s3_location(root: str) -> S3Location | None:
+    """The bucket and prefix of an `s3://` or `s3a://` root; None for any other root."""
+    parsed = urlparse(root)
+    if parsed.scheme not in ("s3", "s3a"):
+        return None
+    if not parsed.netloc:
+        raise LakeConfigError(
+            f"lake root '{root}' names no bucket: set CDC_LAKE_ROOT to s3://<bucket>/<prefix>."
+        )
+    return S3Location(bucket=parsed.netloc, prefix=parsed.path.strip("/"))
+
+
+def s3_resource_from_env(environ: Mapping[str, str] = os.environ) -> S3Resource:
+    """The lake's S3 resource: the access key variables that are set, as dg.EnvVar.
+
+    Region, endpoint and profile are boto3's own variables (AWS_REGION, AWS_ENDPOINT_URL_S3,
+    AWS_PROFILE); without an access key, boto3's chain finds the credentials (a profile or an
+    instance role).
+    """
+    fields = {field: dg.EnvVar(name) for name, field in CREDENTIAL_ENV.items() if environ.get(name)}
+    return S3Resource(**fields)
+
+
+def s3a_settings(s3: S3Resource, bucket: str, *, path_style_access: bool | None) -> dict[str, str]:
+    """Hadoop settings that point S3A at `bucket` as `s3` (a dagster-aws resource) would reach it.
+
+    Every setting is per bucket (`fs.s3a.bucket.<bucket>.*`), so other buckets the same Spark
+    session reads keep their own configuration. Values include secrets: they go into the
+    session's Hadoop configuration only, never into Spark's conf, logs or metadata.
+    """
+    prefix = f"fs.s3a.bucket.{bucket}."
+    session = boto3.session.Session(profile_name=s3.profile_name)
+    client = s3.get_client()
+    settings: dict[str, str] = {}
+    region = s3.region_name or session.region_name or client.meta.region_name
+    if region:
+        settings[prefix + "endpoint.region"] = region
+    # The endpoint boto3 resolved: the resource's endpoint_url, or AWS_ENDPOINT_URL(_S3).
+    endpoint = s3.endpoint_url or client.meta.endpoint_url
+    custom = bool(endpoint) and not urlparse(endpoint).hostname.endswith("amazonaws.com")
+    if custom:
+        settings[prefix + "endpoint"] = endpoint
+        settings[prefix + "connection.ssl.enabled"] = str(
+            urlparse(endpoint).scheme == "https"
+        ).lower()
+    path_style = custom if path_style_access is None else path_style_access
+    settings[prefix + "path.style.access"] = str(path_style).lower()
+
+    if s3.use_unsigned_session:
+        settings[prefix + "aws.credentials.provider"] = (
+            "org.apache.hadoop.fs.s3a.AnonymousAWSCredentialsProvider"
+        )
+        return settings
+    if s3.aws_access_key_id or s3.aws_secret_access_key:
+        if not (s3.aws_access_key_id and s3.aws_secret_access_key):
+            raise LakeConfigError(
+                "the lake's S3 resource sets only one of aws_access_key_id and "
+                "aws_secret_access_key: set both (e.g. dg.EnvVar('AWS_ACCESS_KEY_ID') and "
+                "dg.EnvVar('AWS_SECRET_ACCESS_KEY')), or neither to use boto3's chain."
+            )
+        key, secret, token = s3.aws_access_key_id, s3.aws_secret_access_key, s3.aws_session_token
+    else:
+        credentials = session.get_credentials()
+        if credentials is None or credentials.method not in STATIC_CREDENTIALS:
+            # No static keys: S3A's default chain (environment, instance/container role, web
+            # identity) finds and refreshes them on every node.
+            return settings
+        frozen = credentials.get_frozen_credentials()
+        key, secret, token = frozen.access_key, frozen.secret_key, frozen.token
+    settings[prefix + "access.key"] = key
+    settings[prefix + "secret.key"] = secret
+    if token:
+        settings[prefix + "session.token"] = token
+        settings[prefix + "aws.credentials.provider"] = (
+            "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
+        )
+    else:
+        settings[prefix + "aws.credentials.provider"] = (
+            "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
+        )
+    return settings
 
 
 class LakeResource(dg.ConfigurableResource):
@@ -13,14 +140,99 @@ class LakeResource(dg.ConfigurableResource):
 
     root: str = Field(
         default=".local/lake",
-        description="A local folder (relative to the working directory) or a URI like s3a://b/p.",
+        description=(
+            "A local folder (relative to the working directory), s3://bucket/prefix (read "
+            "through S3A), or any other Hadoop filesystem URI."
+        ),
     )
+    s3: S3Resource | None = Field(
+        default=None,
+        description=(
+            "How to reach S3 for an s3:// root (dagster-aws): endpoint, region, credentials. "
+            "Unset: boto3's default chain (environment, profile, instance role)."
+        ),
+    )
+    s3_path_style_access: bool | None = Field(
+        default=None,
+        description="S3A path-style requests; default: on for a custom endpoint, off for AWS.",
+    )
+
+    _connected: set[int] = PrivateAttr(default_factory=set)
 
     @property
     def root_uri(self) -> str:
+        location = s3_location(self.root)
+        if location is not None:
+            return f"s3a://{location.bucket}/{location.prefix}".rstrip("/")
         if "://" in self.root:
             return self.root.rstrip("/")
         return str(Path(self.root).resolve())
 
     def table_path(self, table: str) -> str:
         return f"{self.root_uri}/{table}"
+
+    def connect(self, spark: SparkSession) -> None:
+        """Points `spark` at the lake: for an S3 root, S3A's settings for its bucket, checked.
+
+        Call before a table path is used (the assets and checks do). Once per session; fails
+        fast, naming the setting to fix, when the bucket can't be reached.
+        """
+        location = s3_location(self.root)
+        if location is None or id(spark) in self._connected:
+            return
+        s3 = self.s3 or S3Resource()
+        settings = s3a_settings(s3, location.bucket, path_style_access=self.s3_path_style_access)
+        hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+        try:
+            hadoop.getClassByName(S3A_FILESYSTEM)
+        except Exception as error:
+            raise LakeConfigError(
+                f"lake root '{self.root}': Spark has no S3A filesystem ({S3A_FILESYSTEM}). "
+                "Resolve the jars with scripts/install.sh (pom.xml → .jars/s3/, which "
+                "SparkResource puts on the class path), or add hadoop-aws matching the "
+                "cluster's Hadoop to its class path."
+            ) from error
+        _check_bucket(s3, location, self.root)
+        for key, value in settings.items():
+            hadoop.set(key, value)
+        self._connected.add(id(spark))
+        log.info(
+            "lake on s3a://%s (endpoint %s, credentials: %s)",
+            location.bucket,
+            settings.get(f"fs.s3a.bucket.{location.bucket}.endpoint", "AWS"),
+            "from the S3 resource"
+            if any(k.endswith(".access.key") for k in settings)
+            else "S3A's default chain",
+        )
+
+
+def _check_bucket(s3: S3Resource, location: S3Location, root: str) -> None:
+    """Fails with the fix when the lake's bucket is missing, unreachable or forbidden."""
+    client = s3.get_client()
+    where = f"lake root '{root}' (endpoint {client.meta.endpoint_url})"
+    try:
+        client.head_bucket(Bucket=location.bucket)
+    except botocore.exceptions.ClientError as error:
+        code = error.response.get("Error", {}).get("Code", "")
+        if code in ("404", "NoSuchBucket"):
+            raise LakeConfigError(
+                f"{where}: bucket '{location.bucket}' does not exist. Create it, or fix "
+                "CDC_LAKE_ROOT."
+            ) from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise LakeConfigError(
+                f"{where}: access to bucket '{location.bucket}' was denied ({code}). Check the "
+                "credentials the lake's S3 resource uses (AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role) and their policy."
+            ) from None
+        raise
+    except botocore.exceptions.NoCredentialsError:
+        raise LakeConfigError(
+            f"{where}: no AWS credentials found. Set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run with an instance role."
+        ) from None
+    except botocore.exceptions.EndpointConnectionError:
+        raise LakeUnavailableError(
+            f"{where}: S3 does not answer. Check the endpoint (AWS_ENDPOINT_URL_S3 or the S3 "
+            "resource's endpoint_url); the run's retries try again."
+        ) from None

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pyspark
 from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JARS_DIR = REPO_ROOT / ".jars" / "spark"
+DEFAULT_S3_JARS_DIR = REPO_ROOT / ".jars" / "s3"
 
 
 class SparkJarsMissingError(RuntimeError):
@@ -38,12 +40,39 @@ def spark_jars(jars_dir: Path) -> list[str]:
     return jars
 
 
+def s3_class_path(jars_dir: Path) -> str | None:
+    """The class path entry of the S3A jars (hadoop-aws, AWS SDK), if they were resolved.
+
+    They go on the JVMs' class path rather than into spark.jars, which would copy the ~650 MB
+    SDK bundle into every executor's work directory each time a session starts. hadoop-aws must
+    be the Hadoop version pyspark ships, or S3A fails at run time with missing methods.
+    """
+    aws = sorted(jars_dir.glob("hadoop-aws-*.jar"))
+    if not aws:
+        return None
+    shipped = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    version = aws[0].name.removeprefix("hadoop-aws-").removesuffix(".jar")
+    if shipped and not shipped[0].name.endswith(f"-{version}.jar"):
+        raise SparkJarsMissingError(
+            f"{aws[0].name} in {jars_dir} does not match pyspark's {shipped[0].name}: set "
+            f"hadoop.version in pom.xml to pyspark's Hadoop and run scripts/install.sh."
+        )
+    return f"{jars_dir}/*"
+
+
 class SparkResource(dg.ConfigurableResource):
     """Builds the SparkSession through dagster-pyspark, with Delta and the Kafka source set up."""
 
     master: str = Field(default="local[*]", description="Any Spark master URL.")
     app_name: str = "cdc-lake"
     jars_dir: str = Field(default=str(DEFAULT_JARS_DIR), description="Folder of jars for Spark.")
+    s3_jars_dir: str = Field(
+        default=str(DEFAULT_S3_JARS_DIR),
+        description=(
+            "Folder of the S3A jars (hadoop-aws and the AWS SDK), put on the driver's and "
+            "executors' class path; ignored when missing (a cluster may bring its own)."
+        ),
+    )
     driver_memory: str = "2g"
     shuffle_partitions: int = Field(
         default=8, description="Default shuffle width; small, since an hour is small."
@@ -83,6 +112,10 @@ class SparkResource(dg.ConfigurableResource):
             "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
             "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),
         }
+        class_path = s3_class_path(Path(self.s3_jars_dir))
+        if class_path:
+            conf["spark.driver.extraClassPath"] = class_path
+            conf["spark.executor.extraClassPath"] = class_path
         conf.update(self.extra_conf)
         return conf
 

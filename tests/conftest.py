@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import boto3
+import dagster as dg
 import pytest
+from dagster_aws.s3 import S3Resource
 from pyspark.sql import SparkSession
 
-from devtools import kafka_broker
+from devtools import kafka_broker, s3_server
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -77,6 +82,66 @@ def spark(spark_resource: SparkResource) -> Iterator[SparkSession]:
 @pytest.fixture
 def lake(tmp_path: Path) -> LakeResource:
     return LakeResource(root=str(tmp_path / "lake"))
+
+
+# Where the S3 fixture's access key is, as a deployment passes it: environment variables read
+# through dg.EnvVar, so the key is in no config, log or metadata.
+S3_KEY_ENV, S3_SECRET_ENV = "CDC_TEST_S3_ACCESS_KEY_ID", "CDC_TEST_S3_SECRET_ACCESS_KEY"
+
+
+@dataclass(frozen=True)
+class S3Lakes:
+    """A local S3 server with one bucket; `lake(prefix)` is a lake under that prefix."""
+
+    endpoint: str
+    bucket: str
+    region: str
+
+    def lake(self, prefix: str, *, resolved: bool = False) -> LakeResource:
+        """The lake resource as Dagster gets it (credentials as dg.EnvVar), or `resolved` for
+        use outside Dagster."""
+        key, secret = dg.EnvVar(S3_KEY_ENV), dg.EnvVar(S3_SECRET_ENV)
+        if resolved:
+            key, secret = key.get_value(), secret.get_value()
+        return LakeResource(
+            root=f"s3://{self.bucket}/{prefix}",
+            s3=S3Resource(
+                endpoint_url=self.endpoint,
+                region_name=self.region,
+                aws_access_key_id=key,
+                aws_secret_access_key=secret,
+            ),
+        )
+
+    def reader(self, prefix: str, spark: SparkSession) -> LakeResource:
+        """The same lake outside Dagster, with `spark` connected to it."""
+        lake = self.lake(prefix, resolved=True)
+        lake.connect(spark)
+        return lake
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Lakes]:
+    """moto's S3 server on loopback for the session, enforcing signatures: only the key of its
+    one IAM user (exported as S3_KEY_ENV / S3_SECRET_ENV) is let in."""
+    config = s3_server.S3ServerConfig(
+        port=_free_port(), log_dir=tmp_path_factory.mktemp("s3"), users=["lake"]
+    )
+    key = s3_server.start(config)["lake"]
+    os.environ[S3_KEY_ENV], os.environ[S3_SECRET_ENV] = key.key_id, key.secret
+    try:
+        boto3.client(
+            "s3",
+            endpoint_url=config.endpoint,
+            region_name=config.region,
+            aws_access_key_id=key.key_id,
+            aws_secret_access_key=key.secret,
+        ).create_bucket(Bucket="lake")
+        yield S3Lakes(endpoint=config.endpoint, bucket="lake", region=config.region)
+    finally:
+        s3_server.stop(config)
+        os.environ.pop(S3_KEY_ENV, None)
+        os.environ.pop(S3_SECRET_ENV, None)
 
 
 @pytest.fixture
