@@ -57,3 +57,23 @@ def test_the_sensors_are_on_by_default():
         "shop_analytics_automation",
     }
     assert all(s.default_status == dg.DefaultSensorStatus.RUNNING for s in sensors.values())
+
+
+def test_the_demo_instance_limits_each_table_to_one_run_and_retries_dead_runs(tmp_path):
+    """deploy/local/dagster.yaml, the instance `dagster dev` runs the demo on (SQLite). The
+    production file is proven by the end-to-end test, which runs on it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        (Path(__file__).resolve().parents[1] / "deploy" / "local" / "dagster.yaml").read_text()
+    )
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        concurrency = instance.get_concurrency_config()
+        assert concurrency.pool_config.default_pool_limit == 1  # one writer per table's pool
+        assert concurrency.run_queue_config.max_concurrent_runs == 2
+        assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
+        assert instance.run_monitoring_enabled
+    finally:
+        instance.dispose()

@@ -1,121 +1,116 @@
-"""End to end, as a user runs it: `dagster dev` (the real webserver and daemon) on the project's
-workspace, seeded demo topics on the real broker, and nobody clicking anything.
+"""End to end, as production runs it: `dagster-webserver` and `dagster-daemon` as two services
+on deploy/production/dagster.yaml, the instance in Debian's PostgreSQL 15 (from
+.tools/postgresql, started here on a free port with a random password), the lake on S3 (moto's
+server, signatures checked; the code location reaches it with the AWS variables only), seeded
+demo topics on the real broker, and nobody clicking anything.
 
-The offset sensors must find the closed hour and materialize it, every
-hour's checks must pass, the automation sensor must then build the downstream assets, and the
-mirrors must equal the plain-Python replay of the topics. Everything is read back through the
-webserver's GraphQL API, as the UI reads it.
+The offset sensors must find the closed hour and launch it through the queued run coordinator,
+every hour's checks must pass, the automation sensor must then build the downstream assets, and
+the mirrors must equal the plain-Python replay of the topics. Everything is read back through
+the webserver's GraphQL API, as the UI reads it. Then the runs, events, sensor ticks, daemon
+heartbeats and pools must be rows in Postgres, no SQLite file may exist under DAGSTER_HOME, and
+neither the database password nor the S3 secret may appear in any file under DAGSTER_HOME, any
+service or server log, or any stored run or event.
+
+(`dagster dev` on deploy/local/dagster.yaml, the demo's instance, is the same webserver and
+daemon on SQLite; tests/test_definitions.py loads that file.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 from kafka import KafkaAdminClient
 
 from demo.produce import DEFAULT_TOPIC_CONFIGS, ensure_topics
 from demo.reference import replay
-from tests.conftest import _free_port
-from tests.support import demo_specs, hour_keys, mirror_rows, read_topic, seed_demo
+from devtools import postgres
+from tests.conftest import S3_KEY_ENV, S3_SECRET_ENV
+from tests.dagster_ui import RUNS, Service, asset_status, graphql, wait_for
+from tests.support import demo_specs, free_ports, hour_keys, mirror_rows, read_topic, seed_demo
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
 HOURS = 1
 DEADLINE_S = 900
-# The seeded hours are the last closed ones: the sensors have exactly these to run (every hour
-# since a table's first message is materialized, empty ones too).
-FIRST_HOUR = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=HOURS)
-
-STATUS = """
-query Status($path: [String!]!) {
-  assetNodeOrError(assetKey: {path: $path}) {
-    __typename
-    ... on AssetNode {
-      assetPartitionStatuses {
-        ... on TimePartitionStatuses { ranges { startKey endKey status } }
-      }
-      assetChecksOrError {
-        ... on AssetChecks {
-          checks {
-            name
-            partitionStatuses {
-              ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } }
-            }
-          }
-        }
-      }
-    }
-  }
-}
-"""
-
-RUNS = """
-query Runs {
-  runsOrError(limit: 200) {
-    ... on Runs { results { runId status tags { key value } } }
-  }
-}
-"""
+SENSOR_TAG = {"key": "cdc/trigger", "value": "offset_sensor"}
 
 
-def _graphql(port: int, query: str, variables: dict | None = None) -> dict:
-    response = requests.post(
-        f"http://127.0.0.1:{port}/graphql",
-        json={"query": query, "variables": variables or {}},
-        timeout=30,
+@pytest.fixture(scope="module")
+def pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[postgres.PostgresConfig, str]]:
+    """Debian's PostgreSQL on a free port, a database and role with a random password."""
+    config = postgres.PostgresConfig(
+        port=free_ports(1)[0],
+        data_dir=tmp_path_factory.mktemp("postgres"),
+        database="dagster_prod",
+        username="dagster_app",
     )
-    response.raise_for_status()
-    body = response.json()
-    assert "errors" not in body, body["errors"]
-    return body["data"]
+    password = secrets.token_urlsafe(24)
+    try:
+        postgres.start(config, password)
+        yield config, password
+    finally:
+        postgres.stop(config)
 
 
-def _covered(ranges: list[dict], keys: list[str], status: str) -> set[str]:
-    """The keys among `keys` that fall in a range with `status` (keys sort as times)."""
-    return {
-        key
-        for key in keys
-        for r in ranges
-        if r["status"] == status and r["startKey"] <= key <= r["endKey"]
-    }
+def _start(name: str, command: list[str], env: dict, log: Path) -> Service:
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # Own process group: teardown kills the code servers and run workers with it.
+            start_new_session=True,
+        )
+    return Service(name, process, log)
 
 
-def _status(port: int, asset: str, keys: list[str]) -> tuple[set[str], dict[str, set[str]]]:
-    """(materialized keys, {check name: keys whose check passed}) of one asset."""
-    node = _graphql(port, STATUS, {"path": [asset]})["assetNodeOrError"]
-    assert node["__typename"] == "AssetNode", node
-    partitions = node["assetPartitionStatuses"] or {"ranges": []}
-    materialized = _covered(partitions["ranges"], keys, "MATERIALIZED")
-    checks = {}
-    for check in node["assetChecksOrError"]["checks"]:
-        ranges = (check["partitionStatuses"] or {"ranges": []})["ranges"]
-        checks[check["name"]] = _covered(ranges, keys, "SUCCEEDED")
-    return materialized, checks
+def _kill(service: Service) -> None:
+    """SIGTERM to the service's process group, SIGKILL after 30 s, then SIGKILL to what is left
+    of the group (its code server, a run worker and its Spark JVM share it)."""
+    pid = service.process.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        service.process.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    service.process.wait()
 
 
 @pytest.fixture
-def dagster_dev(broker, tmp_path):
-    """`dagster dev` on the workspace, pointed at private topics, lake and instance."""
+def deployment(broker, pg, s3, spark, tmp_path):
+    """The webserver and the daemon on the production instance, private topics, a lake on S3
+    and a tables file; the seeded hours are the last closed ones, so the sensors have exactly
+    these to run (every hour since a table's first message is materialized, empty ones too)."""
+    config, password = pg
+    first_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(
+        hours=HOURS
+    )
     prefix = f"e2e{os.getpid()}{int(time.time()) % 100000}"
     # Lateness 0: the last seeded hour closes at its end, whatever minute the test starts at.
-    start = FIRST_HOUR.strftime("%Y-%m-%d-%H:%M")
+    start = first_hour.strftime("%Y-%m-%d-%H:%M")
     specs = [
         s.model_copy(update={"start_hour": start, "allowed_lateness_minutes": 0})
         for s in demo_specs(prefix)
     ]
-    # Topics that keep their records: the seeded hours are weeks old, and the retention check
-    # would rightly warn about Kafka's default 7 days.
+    # Topics that keep their records: the retention check would rightly warn about 7 days.
     admin = KafkaAdminClient(bootstrap_servers=broker)
     try:
         ensure_topics(
@@ -126,82 +121,92 @@ def dagster_dev(broker, tmp_path):
         )
     finally:
         admin.close()
-    source, _ = seed_demo(broker, specs, hours=HOURS, changes_per_hour=60, first_hour=FIRST_HOUR)
+    source, _ = seed_demo(broker, specs, hours=HOURS, changes_per_hour=60, first_hour=first_hour)
 
     tables = tmp_path / "tables.yaml"
     tables.write_text(yaml.safe_dump({"tables": [s.model_dump(mode="json") for s in specs]}))
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO / "deploy" / "local" / "dagster.yaml", home / "dagster.yaml")
-    lake = tmp_path / "lake"
-    port = _free_port()
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "CDC_TABLES_FILE": str(tables),
-        "CDC_KAFKA_BOOTSTRAP_SERVERS": broker,
-        "CDC_LAKE_ROOT": str(lake),
-    }
-    log = open(tmp_path / "dagster-dev.log", "wb")
-    dagster = Path(sys.executable).with_name("dagster")
-    process = subprocess.Popen(
-        [str(dagster), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    shutil.copy(REPO / "deploy" / "production" / "dagster.yaml", home / "dagster.yaml")
+    port = free_ports(1)[0]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "CDC_"))}
+    env.update(
+        {
+            "DAGSTER_HOME": str(home),
+            "CDC_TABLES_FILE": str(tables),
+            "CDC_KAFKA_BOOTSTRAP_SERVERS": broker,
+            # The lake on S3, reached as a deployment reaches it: AWS's own variables, which
+            # cdc_assets/definitions.py hands to the lake's S3Resource (keys as dg.EnvVar).
+            "CDC_LAKE_ROOT": f"s3://{s3.bucket}/{prefix}",
+            "AWS_ACCESS_KEY_ID": os.environ[S3_KEY_ENV],
+            "AWS_SECRET_ACCESS_KEY": os.environ[S3_SECRET_ENV],
+            "AWS_ENDPOINT_URL_S3": s3.endpoint,
+            "AWS_REGION": s3.region,
+            "DAGSTER_PG_HOST": postgres.HOST,
+            "DAGSTER_PG_PORT": str(config.port),
+            "DAGSTER_PG_DB": config.database,
+            "DAGSTER_PG_USERNAME": config.username,
+            "DAGSTER_PG_PASSWORD": password,
+        }
     )
+    bin_dir = Path(sys.executable).parent
+    workspace = ["-w", "workspace.yaml"]
+    services: list[Service] = []
     try:
+        services.append(
+            _start(
+                "dagster-webserver",
+                [
+                    str(bin_dir / "dagster-webserver"),
+                    *workspace,
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                ],
+                env,
+                tmp_path / "webserver.log",
+            )
+        )
+        services.append(
+            _start(
+                "dagster-daemon",
+                [str(bin_dir / "dagster-daemon"), "run", *workspace],
+                env,
+                tmp_path / "daemon.log",
+            )
+        )
         yield {
             "port": port,
             "broker": broker,
+            "first_hour": first_hour,
             "specs": specs,
             "source": source,
-            "lake": lake,
-            "log": tmp_path / "dagster-dev.log",
-            "process": process,
+            "lake": s3.reader(prefix, spark),
+            "home": home,
+            "services": services,
+            "pg": config,
+            "secrets": [password, os.environ[S3_SECRET_ENV]],
         }
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+        for service in services:
+            _kill(service)
 
 
-def _wait_for(condition, *, what: str, process, log: Path, deadline: float):
-    last = None
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"dagster dev exited:\n{log.read_text()[-5000:]}"
-        try:
-            last = condition()
-        except requests.ConnectionError:
-            last = None
-        if last is True:
-            return
-        time.sleep(5)
-    tail = log.read_text(errors="replace")[-8000:]
-    pytest.fail(
-        f"timed out waiting for {what}; last state: {last}\n--- dagster dev log ---\n{tail}"
-    )
-
-
-def test_the_sensors_materialize_every_closed_hour_and_its_downstream(dagster_dev, spark):
-    port, specs = dagster_dev["port"], dagster_dev["specs"]
-    keys = hour_keys(FIRST_HOUR, HOURS)
+def test_the_sensors_materialize_every_closed_hour_and_its_downstream(deployment, spark):
+    d = deployment
+    port, specs = d["port"], d["specs"]
+    keys = hour_keys(d["first_hour"], HOURS)
     deadline = time.monotonic() + DEADLINE_S
     state: dict = {}
 
     def sensor_runs() -> list[dict]:
-        runs = _graphql(port, RUNS)["runsOrError"]["results"]
-        return [r for r in runs if {"key": "cdc/trigger", "value": "offset_sensor"} in r["tags"]]
+        runs = graphql(port, RUNS)["runsOrError"]["results"]
+        return [r for r in runs if SENSOR_TAG in r["tags"]]
 
     def mirrors_done():
         for spec in specs:
-            materialized, checks = _status(port, spec.name, keys)
+            materialized, checks = asset_status(port, spec.name, keys)
             state[spec.name] = (sorted(materialized), {k: len(v) for k, v in checks.items()})
             if materialized != set(keys):
                 return state
@@ -215,11 +220,11 @@ def test_the_sensors_materialize_every_closed_hour_and_its_downstream(dagster_de
         state["runs"] = [r["status"] for r in sensor_runs()]
         return all(status == "SUCCESS" for status in state["runs"]) or state
 
-    _wait_for(
+    services = d["services"]
+    wait_for(
         mirrors_done,
         what="every seeded hour of every mirror, checks passed",
-        process=dagster_dev["process"],
-        log=dagster_dev["log"],
+        services=services,
         deadline=deadline,
     )
 
@@ -237,23 +242,84 @@ def test_the_sensors_materialize_every_closed_hour_and_its_downstream(dagster_de
     days = sorted({key[:10] for key in keys})
 
     def downstream_done():
-        facts, _ = _status(port, "order_facts", keys)
-        daily, _ = _status(port, "daily_sales", days)
+        facts, _ = asset_status(port, "order_facts", keys)
+        daily, _ = asset_status(port, "daily_sales", days)
         state["downstream"] = (sorted(facts), sorted(daily))
         return (facts == set(keys) and daily == set(days)) or state
 
-    _wait_for(
+    wait_for(
         downstream_done,
         what="the downstream assets of the seeded hours",
-        process=dagster_dev["process"],
-        log=dagster_dev["log"],
+        services=services,
         deadline=deadline,
     )
 
-    # And the mirrors hold exactly what the topics say.
-    lake = dagster_dev["lake"]
+    # And the mirrors on S3 hold exactly what the topics say.
+    lake = d["lake"]
     for spec in specs:
-        records = read_topic(dagster_dev["broker"], spec.topic)
+        records = read_topic(d["broker"], spec.topic)
         expected = replay(spec, [(p, o, v) for p, o, v, _ in records])
-        assert mirror_rows(spark, str(lake / spec.name), spec) == expected
-        assert expected == dagster_dev["source"].state(spec.name)
+        assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+        assert expected == d["source"].state(spec.name)
+
+    _everything_lives_in_postgres(d, [r["runId"] for r in runs], keys[0])
+
+
+def _everything_lives_in_postgres(d: dict, run_ids: list[str], hour: str) -> None:
+    """What the UI showed are rows in Postgres; nothing in SQLite; no secret anywhere."""
+    config, specs = d["pg"], d["specs"]
+    connection = postgres.connect(config, d["secrets"][0])
+    with contextlib.closing(connection), connection.cursor() as cursor:
+
+        def one(query: str, *args):
+            cursor.execute(query, args)
+            return cursor.fetchone()[0]
+
+        for run_id in run_ids:
+            assert one("SELECT status FROM runs WHERE run_id = %s", run_id) == "SUCCESS"
+            # Queued, then launched once by the daemon's run coordinator.
+            events = {
+                kind: one(
+                    "SELECT count(*) FROM event_logs WHERE run_id = %s AND dagster_event_type = %s",
+                    run_id,
+                    kind,
+                )
+                for kind in ("PIPELINE_ENQUEUED", "PIPELINE_STARTING", "PIPELINE_SUCCESS")
+            }
+            assert events == dict.fromkeys(events, 1), events
+        for spec in specs:
+            materializations = one(
+                "SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
+                " AND asset_key = %s AND partition = %s",
+                f'["{spec.name}"]',
+                hour,
+            )
+            assert materializations == 1, spec.name
+            # The sensor's ticks (schedule storage).
+            ticks = one(
+                "SELECT count(*) FROM job_ticks t JOIN jobs j ON t.job_origin_id = j.job_origin_id"
+                " WHERE j.job_type = 'SENSOR' AND strpos(j.job_body, %s) > 0",
+                f'"{spec.name}_offsets"',
+            )
+            assert ticks >= 1, f"no tick of {spec.name}_offsets in job_ticks"
+            # The table's pool, limit 1 (default_limit), is known to the instance.
+            cursor.execute(
+                'SELECT "limit" FROM concurrency_limits WHERE concurrency_key = %s',
+                (f"cdc_table_{spec.name}",),
+            )
+            assert cursor.fetchall() == [(1,)], spec.name
+        cursor.execute("SELECT daemon_type FROM daemon_heartbeats")
+        daemons = {row[0] for row in cursor.fetchall()}
+        assert {"SENSOR", "QUEUED_RUN_COORDINATOR", "MONITORING"} <= daemons, daemons
+        for secret in d["secrets"]:
+            assert one("SELECT count(*) FROM runs WHERE strpos(run_body, %s) > 0", secret) == 0
+            assert one("SELECT count(*) FROM event_logs WHERE strpos(event, %s) > 0", secret) == 0
+
+    home: Path = d["home"]
+    files = [path for path in home.rglob("*") if path.is_file()]
+    sqlite = [path for path in files if path.read_bytes()[:16] == b"SQLite format 3\x00"]
+    assert not sqlite, sqlite
+    logs = [service.log for service in d["services"]] + [config.log_file]
+    for secret in d["secrets"]:
+        leaks = [path for path in files + logs if secret.encode() in path.read_bytes()]
+        assert not leaks, leaks

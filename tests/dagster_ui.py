@@ -1,0 +1,122 @@
+"""Reading a running Dagster webserver through its GraphQL API, as the UI reads it.
+
+Shared by the tests that start the real webserver (and daemon): the end-to-end test on
+`dagster dev`, and the production instance test on Postgres.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import Popen
+
+import pytest
+import requests
+
+STATUS = """
+query Status($path: [String!]!) {
+  assetNodeOrError(assetKey: {path: $path}) {
+    __typename
+    ... on AssetNode {
+      assetPartitionStatuses {
+        ... on TimePartitionStatuses { ranges { startKey endKey status } }
+      }
+      assetChecksOrError {
+        ... on AssetChecks {
+          checks {
+            name
+            partitionStatuses {
+              ... on AssetCheckTimePartitionStatuses { ranges { startKey endKey status } }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+"""
+
+RUNS = """
+query Runs {
+  runsOrError(limit: 200) {
+    ... on Runs { results { runId status tags { key value } } }
+  }
+}
+"""
+
+
+@dataclass(frozen=True)
+class Service:
+    """A Dagster process a test started: it must stay up while the test waits on it."""
+
+    name: str
+    process: Popen
+    log: Path
+
+
+def graphql(port: int, query: str, variables: dict | None = None) -> dict:
+    response = requests.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={"query": query, "variables": variables or {}},
+        timeout=30,
+    )
+    response.raise_for_status()
+    body = response.json()
+    assert "errors" not in body, body["errors"]
+    return body["data"]
+
+
+def covered(ranges: list[dict], keys: list[str], status: str) -> set[str]:
+    """The keys among `keys` that fall in a range with `status` (keys sort as times)."""
+    return {
+        key
+        for key in keys
+        for r in ranges
+        if r["status"] == status and r["startKey"] <= key <= r["endKey"]
+    }
+
+
+def asset_status(port: int, asset: str, keys: list[str]) -> tuple[set[str], dict[str, set[str]]]:
+    """(materialized keys, {check name: keys whose check passed}) of one asset."""
+    node = graphql(port, STATUS, {"path": [asset]})["assetNodeOrError"]
+    assert node["__typename"] == "AssetNode", node
+    partitions = node["assetPartitionStatuses"] or {"ranges": []}
+    materialized = covered(partitions["ranges"], keys, "MATERIALIZED")
+    checks = {}
+    for check in node["assetChecksOrError"]["checks"]:
+        ranges = (check["partitionStatuses"] or {"ranges": []})["ranges"]
+        checks[check["name"]] = covered(ranges, keys, "SUCCEEDED")
+    return materialized, checks
+
+
+def wait_for(
+    condition: Callable[[], object],
+    *,
+    what: str,
+    services: Sequence[Service],
+    deadline: float,
+) -> None:
+    """Poll `condition` every 5 s until it returns True; fail with its last state and the logs
+    when `deadline` (time.monotonic) passes or one of `services` exits."""
+    last = None
+    while time.monotonic() < deadline:
+        for service in services:
+            if service.process.poll() is not None:
+                pytest.fail(
+                    f"{service.name} exited while waiting for {what}:\n"
+                    f"{service.log.read_text(errors='replace')[-5000:]}"
+                )
+        try:
+            last = condition()
+        except requests.ConnectionError:
+            last = None
+        if last is True:
+            return
+        time.sleep(5)
+    tails = "".join(
+        f"\n--- {service.name} log ---\n{service.log.read_text(errors='replace')[-8000:]}"
+        for service in services
+    )
+    pytest.fail(f"timed out waiting for {what}; last state: {last}{tails}")
