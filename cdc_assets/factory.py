@@ -7,7 +7,8 @@ what running its hours one by one gives.
 """
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import dagster as dg
 from pydantic import Field
@@ -36,6 +37,17 @@ class HourRunConfig(dg.Config):
             "again after it closes to complete it."
         ),
     )
+
+
+# A wrong slice or config: retrying can't help (the hour is open, its offsets are gone, the
+# config is wrong), so a run failing with one of these is not retried.
+NOT_RETRIED: tuple[type[Exception], ...] = (
+    SliceError,
+    SequenceConfigError,
+    TruncateError,
+    MaskedMirrorError,
+    LakeConfigError,
+)
 
 
 def table_pool(spec: TableSpec) -> str:
@@ -84,8 +96,8 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
     return metadata
 
 
-def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
-    """The hourly Delta mirror of `spec.topic`; materializing hour H MERGEs H's Kafka slice."""
+def asset_description(spec: TableSpec) -> str:
+    """The mirror asset's description, as the UI shows it."""
     description = (
         f"{spec.description or f'Mirror of the source table behind {spec.topic}.'}\n\n"
         f"Delta mirror of Kafka topic `{spec.topic}` (Debezium change events), key "
@@ -100,27 +112,38 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
             f" Sensitive columns are masked before anything stores them: {masked}; hashed "
             "columns hold HMAC-SHA256 hex strings."
         )
+    return description
 
-    partitions_def = hourly_partitions(spec)
-    check_specs = run_check_specs(spec, partitions_def=partitions_def)
-    blocking = {check.name: check.blocking for check in check_specs}
 
+def mirror_asset(
+    spec: TableSpec,
+    compute: Callable,
+    *,
+    check_specs: list[dg.AssetCheckSpec],
+    required_resource_keys: set[str],
+    description: str,
+) -> dg.AssetsDefinition:
+    """`compute` as `spec`'s mirror asset: key, partitions, pool, checks, retries, metadata.
+
+    Shared by the in-process asset (`build_table_asset`) and the one whose hours run outside
+    Dagster through Pipes (`cdc_assets.pipes.build_pipes_table_asset`), so both are the same
+    asset to Dagster.
+    """
     with warnings.catch_warnings():
         # BackfillPolicy is a beta API; dagster is pinned, so the warning says nothing new.
         warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*backfill_policy")
-
-        @dg.asset(
+        return dg.asset(
             name=spec.name,
             description=description,
             group_name=spec.group,
-            partitions_def=partitions_def,
+            partitions_def=hourly_partitions(spec),
             check_specs=check_specs,
             kinds={"kafka", "spark", "delta"},
             pool=table_pool(spec),
             # A backfill runs as few runs as possible, each over a bounded range of hours.
             backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=spec.hours_per_run),
             # Transient failures (a broker or Spark hiccup) are retried; a wrong slice or config
-            # is raised as a Failure that is not (see _hour).
+            # is raised as a Failure that is not (see `hour_failure`).
             retry_policy=dg.RetryPolicy(
                 max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
             ),
@@ -132,57 +155,112 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
                 # Names and modes only: what is masked, never a value.
                 **({"sensitive_columns": dict(spec.sensitive)} if spec.sensitive else {}),
             },
-            # Only a table that hashes needs the key, so the others run without one.
-            required_resource_keys={"kafka", "spark", "lake"}
-            | ({"masking"} if hashed_columns(spec) else set()),
+            required_resource_keys=required_resource_keys,
+        )(compute)
+
+
+@dataclass(frozen=True)
+class HourReport:
+    """What one hour of a run reports: its materialization metadata and its check results."""
+
+    hour_key: str
+    metadata: Mapping[str, dg.MetadataValue]
+    checks: list[dg.AssetCheckResult]
+
+
+def report_hours(
+    context: dg.AssetExecutionContext,
+    spec: TableSpec,
+    check_specs: list[dg.AssetCheckSpec],
+    reports: list[HourReport],
+) -> Iterator:
+    """The events of a run that materialized `reports`' hours, one or a range."""
+    if context.has_partition_key:
+        (report,) = reports
+        yield dg.MaterializeResult(metadata=report.metadata, check_results=report.checks)
+        return
+    # A range: each hour's materialization carries that hour's metadata, and each check
+    # result is recorded against its hour once the materializations exist.
+    for report in reports:
+        context.add_asset_metadata(report.metadata, partition_key=report.hour_key)
+    yield dg.MaterializeResult()
+    selected = context.selected_asset_check_keys
+    for check_spec in check_specs:
+        if check_spec.key in selected:
+            # The check's output, once for the run; its results follow, one per hour.
+            yield dg.Output(None, output_name=check_spec.get_python_identifier())
+    blocking = {check.name: check.blocking for check in check_specs}
+    for report in reports:
+        for check in report.checks:
+            if dg.AssetCheckKey(dg.AssetKey(spec.name), check.check_name) not in selected:
+                continue
+            yield hour_check_evaluation(
+                context,
+                check,
+                spec=spec,
+                hour_key=report.hour_key,
+                blocking=blocking[check.check_name],
+            )
+
+
+def hour_failure(message: str, done: list[str]) -> dg.Failure:
+    """The failure of an hour that retrying can't fix; `done`: the run's earlier hours."""
+    written = ""
+    if done:
+        written = (
+            f" The run's earlier hours {done[0]} to {done[-1]} are "
+            "committed to Delta; running them again finds their changes already applied."
         )
-        def _mirror(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
-            kafka: KafkaResource = context.resources.kafka
-            spark: SparkResource = context.resources.spark
-            lake: LakeResource = context.resources.lake
-            path = lake.table_path(spec.name)
-            masking_key = _masking_key(context, spec)
-            hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
-            for hour_key in context.partition_keys:
-                result = _hour(
-                    context, spec, hour_key, config, kafka, spark, lake, masking_key, done=hours
-                )
-                checks = evaluate_run_checks(
-                    spark=spark.session, spec=spec, path=path, result=result
-                )
-                hours.append((result, checks))
+    return dg.Failure(description=f"{message}{written}", allow_retries=False)
 
-            if context.has_partition_key:
-                ((result, checks),) = hours
-                yield dg.MaterializeResult(
-                    metadata=result_metadata(result, table_path=path), check_results=checks
-                )
-                return
-            # A range: each hour's materialization carries that hour's metadata, and each check
-            # result is recorded against its hour once the materializations exist.
-            for result, _ in hours:
-                context.add_asset_metadata(
-                    result_metadata(result, table_path=path), partition_key=result.hour_key
-                )
-            yield dg.MaterializeResult()
-            selected = context.selected_asset_check_keys
-            for check_spec in check_specs:
-                if check_spec.key in selected:
-                    # The check's output, once for the run; its results follow, one per hour.
-                    yield dg.Output(None, output_name=check_spec.get_python_identifier())
-            for result, checks in hours:
-                for check in checks:
-                    if dg.AssetCheckKey(dg.AssetKey(spec.name), check.check_name) not in selected:
-                        continue
-                    yield hour_check_evaluation(
-                        context,
-                        check,
-                        spec=spec,
-                        hour_key=result.hour_key,
-                        blocking=blocking[check.check_name],
-                    )
 
-    return _mirror
+def hour_summary(spec: TableSpec, result: HourResult) -> str:
+    """The log line of one materialized hour."""
+    counts = result.counts
+    return (
+        f"{spec.name} {result.hour_key}: consumed {counts.consumed}, applied "
+        f"{counts.applied}, superseded {counts.superseded}, stale {counts.stale}, "
+        f"tombstones {counts.tombstones}, errors {counts.errors}; "
+        f"Delta version {result.delta_version}"
+    )
+
+
+def partial_warning(spec: TableSpec, result: HourResult) -> str:
+    return f"{spec.name} {result.hour_key} was forced while open: the result is partial."
+
+
+def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
+    """The hourly Delta mirror of `spec.topic`; materializing hour H MERGEs H's Kafka slice."""
+    check_specs = run_check_specs(spec, partitions_def=hourly_partitions(spec))
+
+    def _mirror(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
+        kafka: KafkaResource = context.resources.kafka
+        spark: SparkResource = context.resources.spark
+        lake: LakeResource = context.resources.lake
+        path = lake.table_path(spec.name)
+        masking_key = _masking_key(context, spec)
+        hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
+        for hour_key in context.partition_keys:
+            result = _hour(
+                context, spec, hour_key, config, kafka, spark, lake, masking_key, done=hours
+            )
+            checks = evaluate_run_checks(spark=spark.session, spec=spec, path=path, result=result)
+            hours.append((result, checks))
+        reports = [
+            HourReport(result.hour_key, result_metadata(result, table_path=path), checks)
+            for result, checks in hours
+        ]
+        yield from report_hours(context, spec, check_specs, reports)
+
+    return mirror_asset(
+        spec,
+        _mirror,
+        check_specs=check_specs,
+        description=asset_description(spec),
+        # Only a table that hashes needs the key, so the others run without one.
+        required_resource_keys={"kafka", "spark", "lake"}
+        | ({"masking"} if hashed_columns(spec) else set()),
+    )
 
 
 def _hour(
@@ -208,32 +286,12 @@ def _hour(
             force_open_hour=config.force_open_hour,
             masking_key=masking_key,
         )
-    except (
-        SliceError,
-        SequenceConfigError,
-        TruncateError,
-        MaskedMirrorError,
-        LakeConfigError,
-    ) as exc:
-        written = ""
-        if done:
-            written = (
-                f" The run's earlier hours {done[0][0].hour_key} to {done[-1][0].hour_key} are "
-                "committed to Delta; running them again finds their changes already applied."
-            )
+    except NOT_RETRIED as exc:
         # Retrying can't help: the hour is open, its offsets are gone, or the config is wrong.
-        raise dg.Failure(description=f"{exc}{written}", allow_retries=False) from exc
-    counts = result.counts
-    context.log.info(
-        f"{spec.name} {result.hour_key}: consumed {counts.consumed}, applied "
-        f"{counts.applied}, superseded {counts.superseded}, stale {counts.stale}, "
-        f"tombstones {counts.tombstones}, errors {counts.errors}; "
-        f"Delta version {result.delta_version}"
-    )
+        raise hour_failure(str(exc), [r.hour_key for r, _ in done]) from exc
+    context.log.info(hour_summary(spec, result))
     if result.partial:
-        context.log.warning(
-            f"{spec.name} {result.hour_key} was forced while open: the result is partial."
-        )
+        context.log.warning(partial_warning(spec, result))
     return result
 
 

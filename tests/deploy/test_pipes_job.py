@@ -1,0 +1,234 @@
+"""The partition job through Dagster Pipes, as it would run on EMR, but on this machine.
+
+`PipesSubprocessClient` starts the real entry script (cdc_assets/pipes_job.py) with pyspark's
+own spark-submit on local[1], against the session's real broker, into a local Delta lake. The
+hour it materializes must equal the reference replay, and Dagster must record the in-process
+asset's metadata and checks for it from what came through Pipes. An hour that is still open must
+fail the run with the job's own error, not retried, and write nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from cdc_assets.pipes import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_table_asset
+from cdc_assets.pipes_job import REQUIRED_CONF, session_conf
+from checks.table_checks import run_check_names
+from resources.lake import LakeResource
+from resources.spark import DEFAULT_JARS_DIR, SparkResource
+from tests.faults import table
+from tests.support import diff_rows, mirror_rows, read_records
+
+HOUR = table.hour_key(0)
+CHANGES = [
+    table.change("c", 1, 10, second=1),
+    table.change("c", 2, 11, second=2),
+    table.change("c", 3, 12, second=3),
+    table.change("u", 1, 13, balance=500, second=4),
+    table.change("d", 2, 14, second=5),
+    table.tombstone(2, second=6),
+    table.change("c", 4, 15, second=7),
+    table.change("u", 3, 16, name="renamed", second=8),
+]
+
+
+def _pipes_resources(kafka, lake: LakeResource, tmp_path) -> dict:
+    launch = SparkSubmitLaunch(
+        master="local[1]",
+        driver_memory="512m",
+        shuffle_partitions=2,
+        conf={
+            "spark.local.dir": str(tmp_path / "job-spark-local"),
+            # A short-lived JVM: the quick compiler only, which halves its CPU time.
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+    )
+    return {
+        "pipes_client": dg.PipesSubprocessClient(),
+        "pipes_launch": launch,
+        "kafka": kafka,
+        "lake": lake,
+    }
+
+
+FAILURE = dg.DagsterEventType.STEP_FAILURE
+# The keys of the in-process asset's materialization metadata (cdc_assets.factory.result_metadata)
+# for an hour with source timestamps and no lost offsets.
+IN_PROCESS_METADATA = {
+    "kafka_topic",
+    "kafka_offsets",
+    "slice_records",
+    "consumed",
+    "applied",
+    "superseded",
+    "stale",
+    "tombstones",
+    "errors",
+    "error_reasons",
+    "rows_inserted",
+    "rows_updated",
+    "rows_deleted",
+    "delta_version",
+    "delta_path",
+    "partial_hour",
+    "lag_seconds",
+    "newest_source_ts",
+}
+
+
+def _commits(path: str) -> list[int]:
+    """The versions in the Delta log of the (local) table at `path`."""
+    return sorted(int(f.stem) for f in Path(path, "_delta_log").glob("*.json"))
+
+
+def _events(result, event_type: dg.DagsterEventType) -> list:
+    return [e for e in result.all_events if e.event_type == event_type]
+
+
+@pytest.mark.integration
+def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
+    broker, kafka, spark, create_topic, tmp_path
+):
+    topic = create_topic("pipes-accounts", partitions=2)
+    spec = table.spec(topic)
+    table.send_all(broker, topic, CHANGES)
+    lake = LakeResource(root=str(tmp_path / "lake"))
+    path = lake.table_path(spec.name)
+
+    instance = dg.DagsterInstance.ephemeral()
+    through_pipes = dg.materialize(
+        [build_pipes_table_asset(spec=spec)],
+        partition_key=HOUR,
+        instance=instance,
+        resources=_pipes_resources(kafka, lake, tmp_path),
+        raise_on_error=False,
+    )
+    assert through_pipes.success, [
+        e.step_failure_data.error.message for e in _events(through_pipes, FAILURE)
+    ]
+
+    # The mirror equals the plain-Python replay of what Kafka committed.
+    expected = table.reference(broker, spec, upto_hour=0).expected
+    assert diff_rows(mirror_rows(spark, path, spec), expected) == {
+        "missing": [],
+        "unexpected": [],
+        "different": [],
+    }
+    assert sorted(expected) == [(1,), (3,), (4,)]  # 2 deleted
+    commits = _commits(path)
+
+    # What the instance recorded came through Pipes: the in-process asset's metadata, typed as
+    # it types them (ints and floats plot, the path links, the time renders).
+    (record,) = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(spec.name), asset_partitions=[HOUR]), limit=5
+    ).records
+    assert record.run_id == through_pipes.run_id
+    recorded = record.asset_materialization.metadata
+    assert set(recorded) == IN_PROCESS_METADATA
+    per_partition: dict[int, int] = {}
+    for partition, *_ in read_records(broker, topic):
+        per_partition[partition] = per_partition.get(partition, 0) + 1
+    assert recorded["kafka_offsets"] == dg.MetadataValue.json(
+        {str(p): {"start": 0, "end": n, "records": n} for p, n in per_partition.items()}
+    )
+    assert recorded["kafka_topic"] == dg.MetadataValue.text(topic)
+    counts = {"consumed": 8, "applied": 4, "superseded": 3, "stale": 0, "tombstones": 1}
+    for name, value in {**counts, "errors": 0, "slice_records": 8}.items():
+        assert recorded[name] == dg.MetadataValue.int(value), name
+    # New live rows: ids 1, 3, 4; id 2 arrives deleted (kept as a deleted row).
+    rows = {"rows_inserted": 3, "rows_updated": 0, "rows_deleted": 1}
+    for name, value in rows.items():
+        assert recorded[name] == dg.MetadataValue.int(value), name
+    assert recorded["delta_version"] == dg.MetadataValue.int(max(commits))
+    assert recorded["delta_path"] == dg.MetadataValue.path(path)
+    assert recorded["partial_hour"] == dg.MetadataValue.bool(False)
+    assert recorded["error_reasons"] == dg.MetadataValue.json({})
+    assert recorded["newest_source_ts"] == dg.MetadataValue.timestamp(table.stamp(0, 8) / 1000)
+    assert isinstance(recorded["lag_seconds"], dg.FloatMetadataValue)
+
+    # Every check of the table, recorded against the hour, passed, with its description and
+    # typed metadata.
+    evaluations = {e.check_name: e for e in through_pipes.get_asset_check_evaluations()}
+    assert set(evaluations) == set(run_check_names(spec))
+    for name, evaluation in evaluations.items():
+        assert evaluation.passed and evaluation.partition == HOUR, name
+    assert "no recorded run" in evaluations["continuity"].description
+    accounting = evaluations["accounting"].metadata
+    assert accounting["consumed"] == accounting["accounted"] == dg.MetadataValue.int(8)
+    freshness = evaluations["freshness"].metadata
+    assert freshness["newest_source_ts"] == recorded["newest_source_ts"]
+    # The job's log line reached the run's logs through Pipes.
+    messages = [e.message or "" for e in instance.all_logs(through_pipes.run_id)]
+    assert any(f"accounts {HOUR}: consumed 8, applied 4" in m for m in messages)
+
+    # An hour still open fails the run with the job's own error, and is not retried.
+    open_hour = datetime.now(UTC).strftime("%Y-%m-%d-%H:00")
+    failed = dg.materialize(
+        [build_pipes_table_asset(spec=spec)],
+        partition_key=open_hour,
+        instance=instance,
+        resources=_pipes_resources(kafka, lake, tmp_path),
+        raise_on_error=False,
+    )
+    assert not failed.success
+    (failure,) = _events(failed, FAILURE)
+    message = failure.step_failure_data.error.message
+    assert f"hour {open_hour} is still open" in message and "force_open_hour" in message
+    assert not _events(failed, dg.DagsterEventType.STEP_UP_FOR_RETRY)
+    assert not instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(spec.name), asset_partitions=[open_hour]),
+        limit=1,
+    ).records
+    # Nothing was written: no Delta commit since.
+    assert _commits(path) == commits
+
+
+def test_the_emr_configuration_loads_without_aws_and_ships_the_poms_jars(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "CDC_EMR")):
+            monkeypatch.delenv(name)
+    from deploy.emr import definitions as emr
+
+    defs = emr.defs() if callable(emr.defs) else emr.defs
+    keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {"customers", "orders", "order_items"}
+    # The jars the EMR job is given are the ones pom.xml resolves for the local runs.
+    assert sorted(emr.PROJECT_JARS) == sorted(p.name for p in DEFAULT_JARS_DIR.glob("*.jar"))
+
+    launch = EMRServerlessLaunch(
+        application_id="00app",
+        execution_role_arn="arn:aws:iam::123456789012:role/job",
+        artifacts_uri="s3://b/cdc-lake/",
+        jars=[*emr.PROJECT_JARS, "local:/usr/share/aws/x.jar"],
+        spark_conf=emr.SPARK_CONF,
+        secret_env={"CDC_KAFKA_SASL_PASSWORD": "cdc/kafka"},
+    )
+    params = launch.run_kwargs(spec=table.spec("shop.public.accounts"), hour_key=HOUR)
+    params = params["start_job_run_params"]
+    assert params["jobDriver"]["sparkSubmit"]["entryPoint"] == "s3://b/cdc-lake/pipes_job.py"
+    submit = params["jobDriver"]["sparkSubmit"]["sparkSubmitParameters"].split()
+    assert "spark.archives=s3://b/cdc-lake/cdc_lake_venv.tar.gz#environment" in submit
+    jars = submit[submit.index("--jars") + 1].split(",")
+    assert jars == [
+        *(f"s3://b/cdc-lake/jars/{j}" for j in emr.PROJECT_JARS),
+        "local:/usr/share/aws/x.jar",
+    ]
+    overrides = params["configurationOverrides"]
+    assert overrides["monitoringConfiguration"]["cloudWatchLoggingConfiguration"]["enabled"]
+    (secrets,) = overrides["applicationConfiguration"]
+    assert secrets["properties"] == {
+        "spark.emr-serverless.driverEnv.CDC_KAFKA_SASL_PASSWORD": "EMR.secret@cdc/kafka"
+    }
+
+    # The job's session keeps what the cluster set, adds Delta, and forces what results rest on,
+    # as the in-process SparkResource sets it.
+    conf = session_conf({"spark.sql.extensions": "x.Ext", "spark.sql.shuffle.partitions": "64"})
+    assert conf["spark.sql.extensions"] == "x.Ext,io.delta.sql.DeltaSparkSessionExtension"
+    assert "spark.sql.shuffle.partitions" not in conf
+    local = SparkResource().spark_config()
+    assert {key: local[key] for key in REQUIRED_CONF} == REQUIRED_CONF
