@@ -45,8 +45,10 @@ from pathlib import Path
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from devtools import processes
+from devtools.processes import HOST, log_report, port_free, read_text, signal_group, wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 DEFAULT_PORT = 19092
 PORT_ENV = "CDC_KAFKA_PORT"
 DATA_DIR_ENV = "CDC_KAFKA_DATA_DIR"
@@ -57,7 +59,6 @@ _KEYSTORE_PASSWORD = "cdc-dev-keystore"
 # What Kafka's --add-scram parser takes unquoted; secrets.token_urlsafe() passwords qualify.
 _SCRAM_SAFE = re.compile(r"^[A-Za-z0-9_.~-]+$")
 
-_LOG_TAIL_LINES = 40
 _KILL_WAIT_S = 10.0
 # Brokers started by this interpreter. Their Popen objects tell reliably whether they still
 # run, and reap them: an exited child stays a zombie, which os.kill(pid, 0) reports as alive.
@@ -227,7 +228,7 @@ def start(config: BrokerConfig, timeout_s: float = 60) -> str:
     with _locked(config):
         pid = _running_pid(config)
         if pid is not None:
-            if _read_text(config.properties_file) != _render_properties(server_properties(config)):
+            if read_text(config.properties_file) != _render_properties(server_properties(config)):
                 raise RuntimeError(
                     f"A Kafka broker from {config.data_dir} already runs (pid {pid}) with other "
                     f"settings than requested; stop it first: python -m devtools.kafka_broker "
@@ -238,7 +239,7 @@ def start(config: BrokerConfig, timeout_s: float = 60) -> str:
         config.pid_file.unlink(missing_ok=True)
 
         _check_ports_free(config)
-        java = _java()
+        java = processes.java()
         classpath = _classpath(config)
         if config.sasl_ssl_port is not None:
             _make_certificate(config, java)
@@ -365,21 +366,8 @@ def _check_ports_free(config: BrokerConfig) -> None:
     if config.sasl_ssl_port is not None:
         ports.append((config.sasl_ssl_port, "SASL_SSL"))
     for port, listener in ports:
-        if not _port_free(port):
+        if not port_free(port):
             raise RuntimeError(_port_taken_message(port, listener))
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR like Kafka's own listener, so TIME_WAIT connections left by a just
-        # stopped broker do not count as taken; listen() still fails if anything listens.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-            sock.listen(1)
-        except OSError:
-            return False
-    return True
 
 
 def _port_taken_message(port: int, listener: str) -> str:
@@ -389,16 +377,6 @@ def _port_taken_message(port: int, listener: str) -> str:
         f"or the environment variable {PORT_ENV}=N (the controller listener uses N+1), "
         f"or BrokerConfig(port=N) from Python."
     )
-
-
-def _java() -> str:
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").is_file():
-        return str(Path(java_home) / "bin" / "java")
-    java = shutil.which("java")
-    if java is None:
-        raise RuntimeError("Java not found: put Java 17+ on PATH or set JAVA_HOME.")
-    return java
 
 
 def _classpath(config: BrokerConfig) -> str:
@@ -683,59 +661,25 @@ def _answers(bootstrap: str, timeout_s: float) -> bool:
 
 
 def _terminate(config: BrokerConfig, pid: int, timeout_s: float) -> None:
-    _signal_group(pid, signal.SIGTERM)
+    signal_group(pid, signal.SIGTERM)
     if _wait_for_exit(config, pid, timeout_s):
         return
-    _signal_group(pid, signal.SIGKILL)
+    signal_group(pid, signal.SIGKILL)
     if not _wait_for_exit(config, pid, _KILL_WAIT_S):
         raise RuntimeError(f"The Kafka broker (pid {pid}) survived SIGKILL.")
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        # The broker leads its own session/group (start_new_session); signal the whole group.
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-
-
 def _wait_for_exit(config: BrokerConfig, pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _is_our_broker(config, pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
+    return wait_until(lambda: not _is_our_broker(config, pid), timeout_s)
 
 
 # A "\tkey = value" line of the config dump Kafka logs at startup.
 _CONFIG_DUMP_LINE = re.compile(r"^\t[\w.-]+ = ")
 
 
-def _tail(path: Path, lines: int) -> str:
-    text = _read_text(path)
-    if not text:
-        return ""
-    # The config dump (hundreds of lines) would crowd the actual error out of the tail.
-    kept = [line for line in text.splitlines() if not _CONFIG_DUMP_LINE.match(line)]
-    return "\n".join(kept[-lines:])
-
-
 def _log_report(config: BrokerConfig) -> str:
-    parts = []
-    for path in (config.log_file, config.server_log):
-        tail = _tail(path, _LOG_TAIL_LINES)
-        if tail:
-            parts.append(f"\n--- last lines of {path} ---\n{tail}")
-    return "".join(parts) if parts else f"\n(no output in {config.log_file})"
+    # The config dump (hundreds of lines) would crowd the actual error out of the tail.
+    return log_report([config.log_file, config.server_log], skip=_CONFIG_DUMP_LINE)
 
 
 def main(argv: list[str] | None = None) -> int:

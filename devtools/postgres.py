@@ -39,7 +39,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,8 +50,9 @@ import psycopg2
 from psycopg2 import sql
 from psycopg2.extensions import encrypt_password
 
+from devtools.processes import HOST, log_report, port_free, read_text, wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 DEFAULT_PORT = 15432
 PORT_ENV = "DAGSTER_PG_PORT"
 DATABASE_ENV = "DAGSTER_PG_DB"
@@ -66,7 +66,6 @@ _RUN_AS_WHEN_ROOT = "nobody"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
 _MAX_SOCKET_PATH = 107
-_LOG_TAIL_LINES = 40
 _KILL_WAIT_S = 10.0
 # Servers started by this interpreter: their Popen objects tell reliably whether they still
 # run, and reap them (an exited child stays a zombie, which os.kill(pid, 0) reports as alive).
@@ -214,7 +213,7 @@ def start(config: PostgresConfig, password: str, timeout_s: float = 60) -> str:
         launched = pid is None
         if launched:
             config.socket_file.unlink(missing_ok=True)
-            if not _port_free(config.port):
+            if not port_free(config.port):
                 raise RuntimeError(
                     f"Port {config.port} on {HOST} is already in use by another process; "
                     f"choose another with --port N, {PORT_ENV}=N or PostgresConfig(port=N)."
@@ -222,7 +221,7 @@ def start(config: PostgresConfig, password: str, timeout_s: float = 60) -> str:
             _initdb(config)
             _write_configs(config)
             pid = _launch(config)
-        elif _read_text(config.cluster_dir / "postgresql.conf") != _render_conf(config):
+        elif read_text(config.cluster_dir / "postgresql.conf") != _render_conf(config):
             raise RuntimeError(
                 f"A PostgreSQL server from {config.data_dir} already runs (pid {pid}) with "
                 f"other settings than requested; stop it first: python -m devtools.postgres "
@@ -463,17 +462,6 @@ def _is_our_server(config: PostgresConfig, pid: int) -> bool:
     return b"-D" in args and str(config.cluster_dir).encode() in args
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-            sock.listen(1)
-        except OSError:
-            return False
-    return True
-
-
 def _superuser_connection(config: PostgresConfig, timeout_s: float = 5):
     return psycopg2.connect(
         host=str(config.socket_dir),
@@ -554,27 +542,11 @@ def _terminate(config: PostgresConfig, pid: int, timeout_s: float) -> None:
 
 
 def _wait_for_exit(config: PostgresConfig, pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _is_our_server(config, pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
+    return wait_until(lambda: not _is_our_server(config, pid), timeout_s)
 
 
 def _log_report(config: PostgresConfig) -> str:
-    text = _read_text(config.log_file)
-    if not text:
-        return f"\n(no output in {config.log_file})"
-    tail = "\n".join(text.splitlines()[-_LOG_TAIL_LINES:])
-    return f"\n--- last lines of {config.log_file} ---\n{tail}"
+    return log_report([config.log_file])
 
 
 def main(argv: list[str] | None = None) -> int:
