@@ -1,14 +1,27 @@
 """The spine end to end: demo CDC topics on a real broker → hourly assets → Delta mirrors.
 
+The reference run and the backfill write their lake to S3 (moto's server on loopback, which
+checks every request's signature): the mirrors, error tables and checks work there unchanged.
+The backfill runs on a Spark standalone cluster on loopback (devtools/spark_cluster.py), in a
+process of its own (tests/cdc_assets/range_child.py), and must equal the hours run locally.
 Every comparison is against `demo.reference.replay` of the records read back from Kafka (plain
 Python, no code shared with the pipeline) and against the demo source database's own state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import pickle
 import random
+import signal
+import subprocess
+import sys
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -18,11 +31,13 @@ from cdc_assets.hour_run import hour_start, run_hour
 from cdc_assets.slicing import compute_slice
 from checks.table_checks import run_check_specs
 from demo.reference import replay, replay_with_errors
+from devtools import spark_cluster as spark_cluster_tool
 from resources.lake import LakeResource
 from tests.support import (
     FIRST_HOUR,
     demo_specs,
     diff_rows,
+    free_ports,
     full_table,
     hour_keys,
     mirror_rows,
@@ -31,6 +46,8 @@ from tests.support import (
 )
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 HOURS = 4
 CHANGES_PER_HOUR = 120
@@ -45,10 +62,14 @@ def demo(broker):
 
 
 @pytest.fixture(scope="module")
-def in_order(demo, kafka, spark_resource, tmp_path_factory):
-    """The demo hours materialized one run per hour, in order: the reference run."""
+def in_order(demo, kafka, spark_resource, spark, s3):
+    """The demo hours materialized one run per hour, in order, into a lake on S3: the
+    reference run."""
     specs, _, _, keys = demo
-    lake = LakeResource(root=str(tmp_path_factory.mktemp("in_order") / "lake"))
+    prefix = f"in_order-{uuid.uuid4().hex[:8]}"
+    s3.reader(prefix, spark)  # the test's own reads go to the same bucket
+    lake = s3.lake(prefix)  # credentials as dg.EnvVar, resolved by Dagster in the run
+    assert lake.table_path("x").startswith("s3a://")
     metadata = _materialize(specs, keys, kafka=kafka, spark_resource=spark_resource, lake=lake)
     return lake, metadata
 
@@ -178,8 +199,10 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, tmp_pa
     shuffled = LakeResource(root=str(tmp_path / "shuffled"))
     # Later hours first, then two of them again: out of order, with repeats. The runs go
     # straight through `run_hour` (the asset's own code path, without its checks, which the
-    # in-order run has judged): convergence is about the MERGE, not the checks.
+    # in-order run has judged): convergence is about the MERGE, not the checks. One table, the
+    # one with a composite key (the fault suite shuffles hours of another table, 3 seeds).
     order = list(reversed(keys)) + random.Random(3).sample(keys, 2)
+    specs = [s for s in specs if s.name == "order_items"]
     for key in order:
         for spec in specs:
             run_hour(spark=spark, kafka=kafka, lake=shuffled, spec=spec, hour_key=key)
@@ -195,44 +218,104 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, tmp_pa
 _PER_RUN = {"lag_seconds", "newest_source_ts", "delta_path"}
 
 
-def test_a_backfill_range_equals_the_hours_run_one_by_one(
-    demo, in_order, kafka, spark, spark_resource, tmp_path
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory) -> Iterator[spark_cluster_tool.ClusterConfig]:
+    """A Spark standalone cluster on loopback (a master and a worker with 2 cores and 1g for
+    executors, from pyspark's own distribution), stopped with its executors afterwards."""
+    master, webui, worker, worker_webui = free_ports(4)
+    config = spark_cluster_tool.ClusterConfig(
+        port=master,
+        webui_port=webui,
+        worker_port=worker,
+        worker_webui_port=worker_webui,
+        data_dir=tmp_path_factory.mktemp("spark-cluster"),
+    )
+    try:
+        spark_cluster_tool.start(config)
+        yield config
+    finally:
+        spark_cluster_tool.stop(config)
+
+
+RANGE_CHILD_S = 900  # the child's whole run: its driver and executor JVMs boot cold
+
+
+def _run_range_on_cluster(workdir: Path, job: dict) -> dict:
+    """Runs tests/cdc_assets/range_child.py on `job`; returns what it reported."""
+    workdir.mkdir()
+    (workdir / "job.json").write_text(json.dumps(job))
+    log = workdir / "child.log"
+    with open(log, "wb") as output:
+        # The parent's environment: the lake's credentials are in it (the s3 fixture's).
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.cdc_assets.range_child", str(workdir)],
+            cwd=REPO,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            child.wait(timeout=RANGE_CHILD_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the child and its driver JVM
+            child.wait()
+    result = workdir / "result.pickle"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+    assert result.exists(), f"the range child (exit {child.returncode}) reported nothing:\n{tail}"
+    outcome = pickle.loads(result.read_bytes())
+    assert outcome["success"], f"the range run failed: {outcome['failures']}\n{tail}"
+    return outcome
+
+
+def test_a_backfill_on_a_spark_cluster_equals_the_hours_run_one_by_one_locally(
+    demo, in_order, broker, spark, s3, spark_cluster, tmp_path
 ):
-    """One run over the whole range (as a backfill or the sensor launches it) writes the same
-    tables, the same per-hour metadata and the same per-hour check results."""
+    """One run over the whole range (as a backfill or the sensor launches it), on a Spark
+    standalone cluster, writes the same tables, the same per-hour metadata and the same
+    per-hour check results as the hours run one by one on the local master."""
     specs, _, _, keys = demo
     reference, hourly_metadata = in_order
-    lake = LakeResource(root=str(tmp_path / "backfill"))
-    result = dg.materialize(
-        [build_table_asset(spec=spec) for spec in specs],
-        tags={
-            "dagster/asset_partition_range_start": keys[0],
-            "dagster/asset_partition_range_end": keys[-1],
+    prefix = f"backfill-{uuid.uuid4().hex[:8]}"
+    outcome = _run_range_on_cluster(
+        tmp_path / "child",
+        {
+            "master": spark_cluster.master_url,
+            "bootstrap": broker,
+            "s3": dataclasses.asdict(s3),
+            "prefix": prefix,
+            "specs": [spec.model_dump_json() for spec in specs],
+            "keys": keys,
         },
-        resources={"kafka": kafka, "spark": spark_resource, "lake": lake},
     )
-    assert result.success
-    materializations = result.get_asset_materialization_events()
-    assert len(materializations) == len(specs) * len(keys)
-    for event in materializations:
-        materialization = event.event_specific_data.materialization
-        table, hour = materialization.asset_key.path[-1], materialization.partition
-        actual = {k: v.value for k, v in materialization.metadata.items() if k not in _PER_RUN}
+
+    # The work ran on the cluster: the driver used its master, and the worker's executor (no
+    # local mode's "driver" executor) ran the tasks, reading Kafka and writing S3.
+    assert outcome["master"] == spark_cluster.master_url
+    on_worker = [(i, host, tasks) for i, host, tasks in outcome["executors"] if i != "driver"]
+    assert on_worker and all(host.startswith("127.0.0.1:") for _, host, _ in on_worker)
+    assert sum(tasks for _, _, tasks in on_worker) > 0, outcome["executors"]
+    worker = spark_cluster_tool.worker_state(spark_cluster)
+    ran = worker["executors"] + worker["finishedexecutors"]
+    assert outcome["app_id"] in {executor["appid"] for executor in ran}
+
+    assert len(outcome["materializations"]) == len(specs) * len(keys)
+    for table, hour, metadata in outcome["materializations"]:
+        actual = {k: v for k, v in metadata.items() if k not in _PER_RUN}
         expected = {k: v for k, v in hourly_metadata[(table, hour)].items() if k not in _PER_RUN}
         assert actual == expected, (table, hour)
 
-    checks = result.get_asset_check_evaluations()
-    assert sorted((c.asset_key.path[-1], c.check_name, c.partition) for c in checks) == sorted(
+    checks = outcome["checks"]
+    assert sorted((table, name, hour) for table, name, hour, *_ in checks) == sorted(
         (spec.name, check.name, key)
         for spec in specs
         for check in run_check_specs(spec, partitions_def=hourly_partitions(spec))
         for key in keys
     )
-    assert [c for c in checks if not c.passed] == []
+    assert [c for c in checks if not c[3]] == []
     # Each result points at its own hour's materialization, so Dagster counts it as current.
-    targets = {c.target_materialization_data.run_id for c in checks}
-    assert targets == {result.run_id}
+    assert {target for *_, target in checks} == {outcome["run_id"]}
 
+    lake = s3.reader(prefix, spark)
     for spec in specs:
         assert full_table(spark, lake.table_path(spec.name)) == full_table(
             spark, reference.table_path(spec.name)

@@ -1,0 +1,436 @@
+"""A Spark standalone cluster on loopback (one master, one worker), from pyspark's own distribution.
+
+The pip-installed pyspark package is a complete Spark distribution (``bin/spark-class`` and
+``jars/``), so it serves as ``SPARK_HOME``: ``start(config)`` runs
+``org.apache.spark.deploy.master.Master`` and ``org.apache.spark.deploy.worker.Worker`` from
+it, each as a detached process in its own process group, on 127.0.0.1, and waits until the
+worker has registered with the master. ``stop(config)`` ends the worker (with the executors it
+launched, which share its process group) and then the master. Everything the cluster owns
+(pid files, the daemons' logs, the worker's work directory with each executor's stdout and
+stderr, an empty ``SPARK_CONF_DIR``) lives in ``ClusterConfig.data_dir``.
+
+An application reaches it with ``SparkResource(master=start(config), ...)``; its executors run
+on this machine, so they find the jars ``SparkResource`` puts on their class path, and the
+Python of the driver (``PYSPARK_PYTHON``) for its Python workers.
+
+Command line::
+
+    python -m devtools.spark_cluster start|stop|status [--port N] [--data-dir PATH]
+
+``--port`` is the master's port (default 17077; its web UI and JSON at port + 1, the worker at
+port + 2 and its web UI at port + 3); ``--data-dir`` defaults to ``<repo>/.local/spark-cluster``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.error import URLError
+from urllib.request import urlopen
+
+import pyspark
+
+from devtools import processes
+from devtools.processes import HOST, log_report, port_free, signal_group, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PORT = 17077
+SPARK_HOME = Path(pyspark.__file__).resolve().parent
+MASTER_CLASS = "org.apache.spark.deploy.master.Master"
+WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+
+_KILL_WAIT_S = 10.0
+# Daemons started by this interpreter: their Popen objects tell reliably whether they still run
+# and reap them (an exited child stays a zombie, which os.kill(pid, 0) reports as alive).
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where and how the local standalone cluster runs.
+
+    Attributes:
+        port: The master's RPC port; applications use ``spark://127.0.0.1:<port>``.
+        webui_port: The master's web UI (its state as JSON at ``/json/``); None: port + 1.
+        worker_port: The worker's RPC port; None: port + 2.
+        worker_webui_port: The worker's web UI; None: port + 3.
+        data_dir: Holds the pid files, the logs and the worker's work directory.
+        cores: Cores the worker offers to executors.
+        memory: Memory the worker offers to executors (an application's
+            ``spark.executor.memory`` must fit in it).
+        daemon_memory: Heap of the master and worker daemons themselves.
+    """
+
+    port: int = DEFAULT_PORT
+    webui_port: int | None = None
+    worker_port: int | None = None
+    worker_webui_port: int | None = None
+    data_dir: Path = REPO_ROOT / ".local" / "spark-cluster"
+    cores: int = 2
+    memory: str = "1g"
+    daemon_memory: str = "256m"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
+        ports = list(self.ports.values())
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"the cluster's ports must differ ({self.ports})")
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every port the cluster listens on, by role (the defaults resolved)."""
+        return {
+            "master": self.port,
+            "master web UI": self.port + 1 if self.webui_port is None else self.webui_port,
+            "worker": self.port + 2 if self.worker_port is None else self.worker_port,
+            "worker web UI": (
+                self.port + 3 if self.worker_webui_port is None else self.worker_webui_port
+            ),
+        }
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://{HOST}:{self.port}"
+
+    @property
+    def master_json_url(self) -> str:
+        """The master's state: workers, running and completed applications."""
+        return f"http://{HOST}:{self.ports['master web UI']}/json/"
+
+    @property
+    def worker_json_url(self) -> str:
+        """The worker's state: its running and finished executors."""
+        return f"http://{HOST}:{self.ports['worker web UI']}/json/"
+
+    @property
+    def work_dir(self) -> Path:
+        """The worker's work directory: one folder per application, one per executor in it
+        (its stdout and stderr)."""
+        return self.data_dir / "work"
+
+    def log_file(self, role: str) -> Path:
+        """The output of the ``master`` or ``worker`` daemon (Spark logs to it)."""
+        return self.data_dir / f"{role}.log"
+
+    def pid_file(self, role: str) -> Path:
+        return self.data_dir / f"{role}.pid"
+
+
+def start(config: ClusterConfig, timeout_s: float = 120) -> str:
+    """Start the master and the worker, and wait until the worker has registered.
+
+    Returns:
+        The master URL, ``spark://127.0.0.1:<port>``.
+
+    Raises:
+        RuntimeError: A port is taken, Java is missing, a daemon died or the worker did not
+            register in time (the message quotes the daemons' logs). Whatever was started is
+            stopped again.
+    """
+    if _running_pid(config, "master") is not None and _running_pid(config, "worker") is not None:
+        _wait_for_worker(config, time.monotonic() + timeout_s)
+        return config.master_url
+    stop(config)
+    for role, port in config.ports.items():
+        if not port_free(port):
+            raise RuntimeError(
+                f"Port {port} on {HOST} (the Spark {role}) is already in use by another "
+                "process; choose other ports (ClusterConfig, or --port)."
+            )
+    processes.java()
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (config.work_dir, config.data_dir / "local", config.data_dir / "conf"):
+        folder.mkdir(exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        _launch(
+            config,
+            "master",
+            [
+                MASTER_CLASS,
+                "--host",
+                HOST,
+                "--port",
+                str(config.port),
+                "--webui-port",
+                str(config.ports["master web UI"]),
+            ],
+        )
+        _wait_for_master(config, deadline)
+        _launch(
+            config,
+            "worker",
+            [
+                WORKER_CLASS,
+                config.master_url,
+                "--host",
+                HOST,
+                "--port",
+                str(config.ports["worker"]),
+                "--webui-port",
+                str(config.ports["worker web UI"]),
+                "--cores",
+                str(config.cores),
+                "--memory",
+                config.memory,
+                "--work-dir",
+                str(config.work_dir),
+            ],
+        )
+        _wait_for_worker(config, deadline)
+    except BaseException:
+        stop(config)  # half a cluster would hold the ports
+        raise
+    return config.master_url
+
+
+def stop(config: ClusterConfig, timeout_s: float = 30) -> bool:
+    """Stop the worker (and its executors), then the master: SIGTERM, SIGKILL after
+    ``timeout_s``. Returns whether anything was running."""
+    stopped = False
+    for role in ("worker", "master"):
+        pid = _running_pid(config, role)
+        if pid is not None:
+            _terminate(config, role, pid, timeout_s)
+            stopped = True
+        config.pid_file(role).unlink(missing_ok=True)
+    return stopped
+
+
+def status(config: ClusterConfig) -> dict[str, object]:
+    """The daemons' pids (None when not running), the master URL, its workers and apps."""
+    pids = {role: _running_pid(config, role) for role in ("master", "worker")}
+    state = _get_json(config.master_json_url) if pids["master"] else None
+    return {
+        "running": all(pids.values()),
+        "master_pid": pids["master"],
+        "worker_pid": pids["worker"],
+        "master_url": config.master_url,
+        "master_json": config.master_json_url,
+        "workers": [
+            {k: w.get(k) for k in ("id", "state", "cores", "memory")}
+            for w in (state or {}).get("workers", [])
+        ],
+        "active_apps": [a.get("id") for a in (state or {}).get("activeapps", [])],
+        "data_dir": str(config.data_dir),
+    }
+
+
+def master_state(config: ClusterConfig) -> dict:
+    """The master's JSON state (workers, activeapps, completedapps)."""
+    state = _get_json(config.master_json_url)
+    if state is None:
+        raise RuntimeError(f"The Spark master does not answer on {config.master_json_url}")
+    return state
+
+
+def worker_state(config: ClusterConfig) -> dict:
+    """The worker's JSON state (executors, finishedexecutors, each with its appid)."""
+    state = _get_json(config.worker_json_url)
+    if state is None:
+        raise RuntimeError(f"The Spark worker does not answer on {config.worker_json_url}")
+    return state
+
+
+def _daemon_env(config: ClusterConfig) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "SPARK_HOME": str(SPARK_HOME),
+        # An empty conf dir: no spark-env.sh or spark-defaults.conf from anywhere else.
+        "SPARK_CONF_DIR": str(config.data_dir / "conf"),
+        "SPARK_DAEMON_MEMORY": config.daemon_memory,
+        # The daemons and the executors the worker launches (they inherit its environment)
+        # bind to loopback.
+        "SPARK_LOCAL_IP": HOST,
+        "SPARK_WORKER_DIR": str(config.work_dir),
+        # The executors' scratch space (shuffle, spilled blocks), removed with each app.
+        "SPARK_LOCAL_DIRS": str(config.data_dir / "local"),
+        # Finished applications' folders in work_dir (their copy of spark.jars, the executors'
+        # logs) go after a day.
+        "SPARK_WORKER_OPTS": (
+            "-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.appDataTtl=86400"
+        ),
+        # Light daemons: the quick compiler and the serial collector cost the least CPU.
+        "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+    }
+    # The master's address comes from the command line only.
+    for name in ("SPARK_MASTER_HOST", "SPARK_MASTER_PORT", "SPARK_MASTER_OPTS"):
+        env.pop(name, None)
+    return env
+
+
+def _launch(config: ClusterConfig, role: str, arguments: list[str]) -> int:
+    spark_class = SPARK_HOME / "bin" / "spark-class"
+    if not spark_class.is_file():
+        raise RuntimeError(f"{spark_class} is missing: is pyspark installed completely?")
+    with open(config.log_file(role), "ab") as log:
+        process = subprocess.Popen(
+            ["bash", str(spark_class), *arguments],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=config.data_dir,
+            env=_daemon_env(config),
+            close_fds=True,
+            # Own session and process group: it outlives the caller, Ctrl-C does not reach it,
+            # and stop() signals the group (the worker's executors included).
+            start_new_session=True,
+        )
+    _CHILDREN[process.pid] = process
+    config.pid_file(role).write_text(f"{process.pid}\n")
+    return process.pid
+
+
+def _wait_for_master(config: ClusterConfig, deadline: float) -> None:
+    while True:
+        _check_alive(config, "master")
+        state = _get_json(config.master_json_url)
+        if state is not None and state.get("status") == "ALIVE":
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"The Spark master did not come up on {config.master_json_url} in time."
+                f"{_log_report(config)}"
+            )
+        time.sleep(0.5)
+
+
+def _wait_for_worker(config: ClusterConfig, deadline: float) -> None:
+    worker = f"{HOST}:{config.ports['worker']}"
+    while True:
+        _check_alive(config, "master")
+        _check_alive(config, "worker")
+        state = _get_json(config.master_json_url) or {}
+        if any(
+            w.get("state") == "ALIVE" and f"{w.get('host')}:{w.get('port')}" == worker
+            for w in state.get("workers", [])
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"The Spark worker {worker} did not register with {config.master_url} in time."
+                f"{_log_report(config)}"
+            )
+        time.sleep(0.5)
+
+
+def _check_alive(config: ClusterConfig, role: str) -> None:
+    if _running_pid(config, role) is None:
+        raise RuntimeError(f"The Spark {role} exited during startup.{_log_report(config)}")
+
+
+def _get_json(url: str) -> dict | None:
+    try:
+        with urlopen(url, timeout=5) as response:
+            return json.load(response)
+    except (URLError, OSError, ValueError):
+        return None
+
+
+def _running_pid(config: ClusterConfig, role: str) -> int | None:
+    try:
+        pid = int(config.pid_file(role).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _is_ours(config, role, pid) else None
+
+
+def _is_ours(config: ClusterConfig, role: str, pid: int) -> bool:
+    """Whether ``pid`` is alive and is this cluster's ``role`` daemon."""
+    if pid in _CHILDREN:
+        # Our own child: its exit status is authoritative (right after Popen, the command
+        # line may still be bash's, before spark-class execs the JVM).
+        if _CHILDREN[pid].poll() is None:
+            return True
+        del _CHILDREN[pid]
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # Pids get reused: the command line names the daemon's class and its port.
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    cls, port = (MASTER_CLASS, config.port) if role == "master" else (WORKER_CLASS, None)
+    port = config.ports["worker"] if port is None else port
+    return cls in command and f"--port {port}" in command
+
+
+def _terminate(config: ClusterConfig, role: str, pid: int, timeout_s: float) -> None:
+    signal_group(pid, signal.SIGTERM)
+    if _wait_for_exit(config, role, pid, timeout_s):
+        return
+    signal_group(pid, signal.SIGKILL)
+    if not _wait_for_exit(config, role, pid, _KILL_WAIT_S):
+        raise RuntimeError(f"The Spark {role} (pid {pid}) survived SIGKILL.")
+
+
+def _wait_for_exit(config: ClusterConfig, role: str, pid: int, timeout_s: float) -> bool:
+    return wait_until(lambda: not (_is_ours(config, role, pid) or _group_alive(pid)), timeout_s)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is left (the worker's executors)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _log_report(config: ClusterConfig) -> str:
+    return log_report([config.log_file(role) for role in ("master", "worker")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m devtools.spark_cluster",
+        description="Run a local Spark standalone cluster (one master, one worker) on loopback.",
+    )
+    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"master port (default {DEFAULT_PORT}); web UI +1, worker +2, worker web UI +3",
+    )
+    parser.add_argument("--data-dir", type=Path, default=ClusterConfig.data_dir)
+    parser.add_argument("--cores", type=int, default=ClusterConfig.cores)
+    parser.add_argument("--memory", default=ClusterConfig.memory, help="for executors")
+    args = parser.parse_args(argv)
+    try:
+        config = ClusterConfig(
+            port=args.port, data_dir=args.data_dir, cores=args.cores, memory=args.memory
+        )
+        if args.command == "start":
+            started = time.monotonic()
+            print(start(config))
+            print(
+                f"Spark standalone cluster ready ({time.monotonic() - started:.1f}s): master UI "
+                f"http://{HOST}:{config.ports['master web UI']}, logs in {config.data_dir}",
+                file=sys.stderr,
+            )
+        elif args.command == "stop":
+            print("stopped" if stop(config) else f"not running (data dir {config.data_dir})")
+        else:
+            info = status(config)
+            print(json.dumps(info, indent=2))
+            return 0 if info["running"] else 3
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
