@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -127,7 +126,13 @@ def deployment(broker, pg, s3, spark, tmp_path):
     tables.write_text(yaml.safe_dump({"tables": [s.model_dump(mode="json") for s in specs]}))
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO / "deploy" / "production" / "dagster.yaml", home / "dagster.yaml")
+    # The production instance file, with one change: at most 2 runs at once. The test machine
+    # has 2 cores, and 8 runs (each its own Spark driver) would only take turns on them.
+    instance = (REPO / "deploy" / "production" / "dagster.yaml").read_text()
+    assert "max_concurrent_runs: 8" in instance, "the production file's run limit moved"
+    (home / "dagster.yaml").write_text(
+        instance.replace("max_concurrent_runs: 8", "max_concurrent_runs: 2")
+    )
     port = free_ports(1)[0]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "CDC_"))}
     env.update(

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+from pyspark import SparkContext
 
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
@@ -107,24 +108,36 @@ def main(workdir: Path) -> int:
         if event.is_step_failure or event.is_run_failure
         if getattr(event.event_specific_data, "error", None) is not None
     ]
-    session = spark.session
-    executors = session.sparkContext._jsc.sc().statusStore().executorList(False)
     outcome = {
         "success": result.success,
         "run_id": result.run_id,
         "failures": failures,
         "materializations": materializations,
         "checks": checks,
-        "master": session.sparkContext.master,
-        "app_id": session.sparkContext.applicationId,
+        **_where_it_ran(),
+    }
+    (workdir / "result.pickle").write_bytes(pickle.dumps(outcome))
+    return 0 if result.success else 1
+
+
+def _where_it_ran() -> dict:
+    """The run's SparkContext (this process's one, which Dagster's initialized copy of the
+    resource created): its master, application id, and each executor's id, address and
+    completed tasks, as Spark's status store recorded them."""
+    context = SparkContext._active_spark_context
+    if context is None:
+        return {"master": None, "app_id": None, "executors": []}
+    executors = context._jsc.sc().statusStore().executorList(False)
+    where = {
+        "master": context.master,
+        "app_id": context.applicationId,
         "executors": [
             (e.id(), e.hostPort(), e.completedTasks())
             for e in (executors.apply(i) for i in range(executors.size()))
         ],
     }
-    (workdir / "result.pickle").write_bytes(pickle.dumps(outcome))
-    session.stop()
-    return 0 if result.success else 1
+    context.stop()
+    return where
 
 
 if __name__ == "__main__":

@@ -272,8 +272,13 @@ def test_a_backfill_on_a_spark_cluster_equals_the_hours_run_one_by_one_locally(
 ):
     """One run over the whole range (as a backfill or the sensor launches it), on a Spark
     standalone cluster, writes the same tables, the same per-hour metadata and the same
-    per-hour check results as the hours run one by one on the local master."""
+    per-hour check results as the hours run one by one on the local master.
+
+    One table (orders) is enough to prove the run went to the cluster and equals the local
+    hours; the other tables' cluster runs would add minutes on the 2-core test machine and
+    prove the same again."""
     specs, _, _, keys = demo
+    specs = [spec for spec in specs if spec.name == "orders"]
     reference, hourly_metadata = in_order
     prefix = f"backfill-{uuid.uuid4().hex[:8]}"
     outcome = _run_range_on_cluster(
