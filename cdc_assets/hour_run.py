@@ -251,6 +251,9 @@ def run_hour(
             F.max(F.when(is_truncate, F.col(SEQUENCE))).alias("truncate_sequence"),
             F.min(F.when(is_truncate, F.struct(KAFKA_PARTITION, KAFKA_OFFSET))).alias("first_t"),
             F.unix_millis(F.max(F.when(F.col(ERROR).isNull(), F.col(SOURCE_TS)))).alias("newest"),
+            # The range of the keys the MERGE applies: its pruning predicate (merge_changes).
+            *[F.min(F.when(applicable, F.col(k))).alias(f"_low_{k}") for k in spec.primary_key],
+            *[F.max(F.when(applicable, F.col(k))).alias(f"_high_{k}") for k in spec.primary_key],
         ).first()
         if totals["truncates"] and spec.on_truncate == "fail":
             at = totals["first_t"]
@@ -311,6 +314,11 @@ def run_hour(
                 if hour_truncate is None
                 else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
             ),
+            key_range={
+                k: (totals[f"_low_{k}"], totals[f"_high_{k}"])
+                for k in spec.primary_key
+                if totals[f"_low_{k}"] is not None
+            },
         )
     finally:
         decoded.unpersist()

@@ -17,7 +17,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -223,6 +223,7 @@ def merge_changes(
     ingested_at,
     run_metadata: dict,
     truncate_before: Column | None = None,
+    key_range: Mapping[str, tuple] | None = None,
 ) -> MergeOutcome:
     """MERGEs the newest change per key into the mirror with the sequence guard.
 
@@ -232,6 +233,11 @@ def merge_changes(
 
     `truncate_before` (a sequence value) is the hour's newest truncate: the same commit deletes
     every row older than it that the hour's changes don't replace.
+
+    `key_range` (primary key column → (lowest, highest) value among `latest`'s keys) narrows
+    the join to the target rows in those ranges. It changes no match: every source key lies
+    inside. But Delta reads only the files whose statistics overlap the ranges, so an hour
+    whose keys are clustered (new ids, recent rows) reads a few files instead of the table.
     """
     return retry_on_conflict(
         lambda: _merge_once(
@@ -242,6 +248,7 @@ def merge_changes(
             ingested_at=ingested_at,
             run_metadata=run_metadata,
             truncate_before=truncate_before,
+            key_range=key_range,
         ),
         table=spec.name,
         path=path,
@@ -257,11 +264,16 @@ def _merge_once(
     ingested_at,
     run_metadata: dict,
     truncate_before: Column | None,
+    key_range: Mapping[str, tuple] | None = None,
 ) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
     table = ensure_mirror_table(spark, path, source, spec)
-    on = " AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key)
+    on = F.expr(" AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key))
+    if truncate_before is None:  # a truncate's MERGE reads the whole table anyway
+        for key, (low, high) in (key_range or {}).items():
+            target = F.col(f"t.`{key}`")
+            on = on & (target >= F.lit(low)) & (target <= F.lit(high))
     newer = f"s.`{SEQUENCE}` > t.`{SEQUENCE}`"
     inserted = {c: f"s.`{c}`" for c in mirror_columns(spec)}
     # A toasted column takes the source's value only when it is newer than the stored one's,
