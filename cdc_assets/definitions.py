@@ -1,4 +1,5 @@
-"""The one Definitions object: a mirror asset per configured table, and the resources."""
+"""The one Definitions object: a mirror and a maintenance asset per configured table, the
+schedule of the maintenance, and the resources."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dagster as dg
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
 from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_retention_check_for, build_table_asset
+from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, s3_resource_from_env
 from resources.masking import MASKING_KEY_ENV, MaskingResource
@@ -22,14 +24,18 @@ TABLES_FILE_ENV = "CDC_TABLES_FILE"
 def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
     # The demo shop's downstream assets, when its three tables are mirrored.
     downstream = build_downstream_assets(specs)
+    # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
+    maintenance = [build_maintenance_asset(spec) for spec in specs]
     return dg.Definitions(
-        assets=[*(build_table_asset(spec=spec) for spec in specs), *downstream],
+        assets=[*(build_table_asset(spec=spec) for spec in specs), *downstream, *maintenance],
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
         sensors=[
             *(build_offset_sensor(spec=spec) for spec in specs),
             *([build_downstream_sensor(downstream)] if downstream else []),
         ],
-        # One process and one Spark session for all the assets of a run.
+        schedules=[build_maintenance_schedule(maintenance)] if maintenance else [],
+        # One process and one Spark session for all the assets of a run (the maintenance run
+        # does every table in one session, table after table).
         executor=dg.in_process_executor,
         resources={
             "kafka": KafkaResource(

@@ -10,6 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from cdc_assets.definitions import defs
+from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,8 @@ def test_one_hourly_asset_per_table_with_its_own_pool():
     graph = definitions.resolve_asset_graph()
     mirrors = {"customers", "orders", "order_items"}
     keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
-    assert keys == mirrors | {"order_facts", "daily_sales"}
+    maintenance = {f"{table}_maintenance" for table in mirrors}
+    assert keys == mirrors | {"order_facts", "daily_sales"} | maintenance
     pools = set()
     for key in graph.get_all_asset_keys():
         if key.to_user_string() not in mirrors:
@@ -45,6 +47,32 @@ def test_one_hourly_asset_per_table_with_its_own_pool():
         assert {"kafka", "spark", "delta"} <= set(node.kinds)
         pools.add(definitions.get_assets_def(key).op.pool)
     assert pools == {"cdc_table_customers", "cdc_table_orders", "cdc_table_order_items"}
+
+
+def test_each_table_has_a_maintenance_asset_in_its_pool_on_a_daily_schedule_that_is_off():
+    definitions = defs() if callable(defs) else defs
+    graph = definitions.resolve_asset_graph()
+    for table in ("customers", "orders", "order_items"):
+        key = dg.AssetKey(f"{table}_maintenance")
+        node = graph.get(key)
+        assert node.partitions_def is None and node.group_name == "cdc_maintenance"
+        assert node.parent_keys == {dg.AssetKey(table)}
+        assets_def = definitions.get_assets_def(key)
+        # The mirror's pool: maintenance never runs beside a MERGE into the same table.
+        assert assets_def.op.pool == f"cdc_table_{table}"
+        assert {"spark", "lake"} <= assets_def.required_resource_keys
+    job = definitions.resolve_job_def(MAINTENANCE_JOB)
+    assert {node.name for node in job.nodes_in_topological_order} == {
+        "customers_maintenance",
+        "orders_maintenance",
+        "order_items_maintenance",
+    }
+    assert job.executor_def is dg.in_process_executor  # one Spark session for every table
+    schedule = definitions.resolve_schedule_def(MAINTENANCE_SCHEDULE)
+    assert schedule.job_name == MAINTENANCE_JOB
+    assert (schedule.cron_schedule, schedule.execution_timezone) == ("0 3 * * *", "UTC")
+    assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
+    assert [s.name for s in definitions.schedules] == [MAINTENANCE_SCHEDULE]
 
 
 def test_the_sensors_are_on_by_default():
