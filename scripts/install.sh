@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ]; then
   echo "install: Python packages into .venv (pinned in pyproject.toml)"
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev]"
+  .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev,bench]"
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 

@@ -1,0 +1,430 @@
+"""The ingest benchmark: floor, ours, naive and delta-rs on identical Kafka slices, and a 24-hour
+backfill as one run versus 24 runs. `scripts/bench.sh` runs it; `--help` lists the knobs.
+
+For each case (key layout, events in the hour, starting rows, topic partitions) it produces the
+events into a topic of their own, builds the starting tables directly with Spark once per size,
+copies them for each variant, and runs each variant in a process of its own while sampling the
+RSS of that process and all its children (the Spark JVM among them). Afterwards it counts the
+files and bytes each variant added and the files it rewrote or marked deleted (from the Delta
+log), checks every result against the plain-Python replay, prints a table and saves the results
+(JSON) and a plot (PNG) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+from benchmarks.tables import bench_spec
+from benchmarks.workload import COLUMNS, PRIMARY_KEY, TABLE, Workload
+from demo.produce import ensure_topics, new_producer
+from devtools import kafka_broker
+from devtools.processes import port_free
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+HOUR_FORMAT = "%Y-%m-%d-%H:%M"
+VARIANTS = ("floor", "ours", "naive", "delta-rs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: str
+    events: int  # per hour
+    rows: int
+    partitions: int
+    variants: tuple[str, ...] = VARIANTS
+    hours: int = 1  # > 1: the backfill case (ours as one run, and as one run per hour)
+
+    @property
+    def name(self) -> str:
+        kind = f"backfill{self.hours}h" if self.hours > 1 else "hour"
+        return (
+            f"{kind}-{self.layout}-{_size(self.events)}ev-{_size(self.rows)}rows-{self.partitions}p"
+        )
+
+
+PROFILES = {
+    # The cases the issue's targets are judged on, sized for a 2-core machine.
+    "standard": [
+        Case("a", 100_000, 1_000_000, 1),
+        Case("a", 100_000, 1_000_000, 4),
+        Case("a", 1_000_000, 10_000_000, 1),
+        Case("b", 1_000_000, 10_000_000, 1),
+        Case("a", 1_000_000, 5_000_000, 1, variants=("ours",)),
+        Case("a", 10_000, 1_000_000, 1, variants=(), hours=24),
+    ],
+    # A few minutes: to see that everything works.
+    "smoke": [
+        Case("a", 20_000, 200_000, 2),
+        Case("b", 20_000, 200_000, 1),
+        Case("a", 2_000, 200_000, 1, variants=(), hours=4),
+    ],
+}
+
+
+def _size(n: int) -> str:
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
+
+
+def _log(message: str) -> None:
+    print(f"[{datetime.now(UTC):%H:%M:%S}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- measuring a child process
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_child(args: list[str], log: Path, env: dict | None = None) -> dict:
+    """Runs a Python module in a process of its own; wall seconds and peak tree RSS."""
+    start = time.monotonic()
+    with log.open("wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+        )
+        peak, stop = [0], threading.Event()
+
+        def sample() -> None:
+            watched = psutil.Process(child.pid)
+            while not stop.is_set():
+                try:
+                    peak[0] = max(peak[0], _tree_rss(watched))
+                except psutil.Error:
+                    return
+                stop.wait(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        code = child.wait()
+        stop.set()
+        sampler.join()
+    wall = time.monotonic() - start
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"{' '.join(args)} exited {code}; log {log}:\n{tail}")
+    return {"wall_s": round(wall, 2), "peak_rss_bytes": peak[0]}
+
+
+# ---------------------------------------------------------------- files from the Delta log
+
+
+def delta_files(path: Path, after_version: int) -> dict:
+    """Files and bytes the commits after `after_version` added, and files they removed
+    (rewritten, or given a deletion vector: a remove and an add of the same file)."""
+    added = bytes_ = removed = dv = 0
+    for commit in sorted((path / "_delta_log").glob("*.json")):
+        if int(commit.stem) <= after_version:
+            continue
+        for line in commit.read_text().splitlines():
+            action = json.loads(line)
+            if "add" in action:
+                added += 1
+                bytes_ += action["add"]["size"]
+                dv += action["add"].get("deletionVector") is not None
+            elif "remove" in action:
+                removed += 1
+    return {"files_written": added, "bytes_written": bytes_, "files_touched": removed, "dvs": dv}
+
+
+def delta_version(path: Path) -> int:
+    return max(int(p.stem) for p in (path / "_delta_log").glob("*.json"))
+
+
+def parquet_files(path: Path) -> dict:
+    files = list(path.rglob("*.parquet"))
+    return {
+        "files_written": len(files),
+        "bytes_written": sum(f.stat().st_size for f in files),
+        "files_touched": 0,
+        "dvs": 0,
+    }
+
+
+# ---------------------------------------------------------------- Kafka
+
+
+def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -> Workload:
+    workload = Workload(rows=case.rows, layout=case.layout)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        ensure_topics(
+            admin,
+            [topic],
+            partitions=case.partitions,
+            configs={"retention.ms": "-1", "message.timestamp.type": "CreateTime"},
+        )
+    finally:
+        admin.close()
+    producer = new_producer(bootstrap, "bench")
+    producer.config["linger_ms"] = 50
+    try:
+        for h in range(case.hours):
+            start_ms = int((first_hour + timedelta(hours=h)).timestamp() * 1000)
+            for event in workload.hour(case.events, start_ms):
+                producer.send(
+                    topic,
+                    key=event.kafka_key(),
+                    value=event.kafka_value(),
+                    timestamp_ms=event.timestamp_ms,
+                )
+        producer.flush()
+    finally:
+        producer.close()
+    return workload
+
+
+def topic_slice(bootstrap: str, topic: str) -> dict[str, list[int]]:
+    """The whole topic (it holds one case's hours): partition → [start, end)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+        return {str(tp.partition): [starts[tp], ends[tp]] for tp in tps}
+    finally:
+        consumer.close()
+
+
+def write_reference(workload: Workload, path: Path) -> None:
+    """The newest state of every key the events changed, typed as the tables store it."""
+    keys = sorted(workload.changed)
+    rows = [workload.changed[k] for k in keys]
+    types = {
+        "bigint": pa.int64(),
+        "int": pa.int32(),
+        "string": pa.string(),
+        "boolean": pa.bool_(),
+        "double": pa.float64(),
+    }
+    columns = {}
+    for column, kind in COLUMNS.items():
+        values = [None if r is None else r[column] for r in rows]
+        if column == PRIMARY_KEY:
+            values = keys
+        if kind == "timestamp":
+            array = (
+                pa.array(values, pa.int64())
+                .cast(pa.timestamp("us"))
+                .cast(pa.timestamp("us", tz="UTC"))
+            )
+        elif kind == "date":
+            array = pa.array(values, pa.int32()).cast(pa.date32())
+        elif kind.startswith("decimal"):
+            array = pa.array(values, pa.string()).cast(pa.decimal128(12, 2))
+        else:
+            array = pa.array(values, types[kind])
+        columns[column] = array
+    columns["deleted"] = pa.array([r is None for r in rows])
+    pq.write_table(pa.table(columns), path)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(args.work).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    port = 19092
+    while not (port_free(port) and port_free(port + 1)):
+        port += 2
+    broker = kafka_broker.BrokerConfig(port=port, data_dir=work / "kafka", heap="1g")
+    bootstrap = kafka_broker.start(broker)
+    _log(f"Kafka broker on {bootstrap}")
+    cases = PROFILES[args.profile]
+    if args.only:
+        cases = [c for c in cases if any(s in c.name for s in args.only)]
+    first_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=30)
+    results = {
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "profile": args.profile,
+        "machine": {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total},
+        "cases": [],
+    }
+    try:
+        built: dict[int, dict[str, Path]] = {}
+        for case in cases:
+            results["cases"].append(
+                run_case(case, bootstrap, work, first_hour, built, args.profile_runs)
+            )
+            _save(results, args)
+    finally:
+        kafka_broker.stop(broker)
+    return results
+
+
+def run_case(
+    case: Case,
+    bootstrap: str,
+    work: Path,
+    first_hour: datetime,
+    built: dict[int, dict[str, Path]],
+    profile: bool = False,
+) -> dict:
+    _log(f"case {case.name}: producing {case.events * case.hours:,} events")
+    topic = f"bench.{case.name}"
+    t = time.monotonic()
+    workload = produce_case(bootstrap, case, topic, first_hour)
+    produce_s = time.monotonic() - t
+    slice_ = topic_slice(bootstrap, topic)
+    events = sum(end - start for start, end in slice_.values())
+    case_dir = work / case.name
+    case_dir.mkdir()
+    reference = case_dir / "reference.parquet"
+    write_reference(workload, reference)
+    start_hour = first_hour.strftime(HOUR_FORMAT)
+    if case.rows not in built:
+        _log(f"building the {case.rows:,}-row starting tables")
+        paths = {"plain": work / f"start-{case.rows}-plain", "mirror": work / f"start-{case.rows}"}
+        job = {"rows": case.rows, "start_hour": start_hour, **{k: str(v) for k, v in paths.items()}}
+        _child(case_dir / "build.json", job, ["benchmarks.tables", "build"], case_dir / "build.log")
+        built[case.rows] = paths
+    starts = built[case.rows]
+    hours = [(first_hour + timedelta(hours=h)).strftime(HOUR_FORMAT) for h in range(case.hours)]
+
+    spec = bench_spec(start_hour).model_copy(update={"topic": topic}).model_dump(mode="json")
+    common = {"bootstrap": bootstrap, "topic": topic, "slice": slice_, "spec": spec}
+    # (label, variant, hours of the run, its folder, whether it starts from a fresh copy)
+    runs = [(v, v, hours, case_dir / v, True) for v in case.variants]
+    if case.hours > 1:
+        runs = [("backfill-1-run", "ours", hours, case_dir / "one-run", True)] + [
+            ("backfill-24-runs", "ours", [h], case_dir / "hour-runs", i == 0)
+            for i, h in enumerate(hours)
+        ]
+    measured, tables = [], {}
+    for label, variant, run_hours, run_dir, fresh in runs:
+        kind = {"ours": "mirror", "floor": "parquet"}.get(variant, "delta")
+        table = {"mirror": run_dir / "lake" / TABLE, "parquet": run_dir / "appended"}.get(
+            kind, run_dir / TABLE
+        )
+        if fresh:
+            run_dir.mkdir()
+            if kind != "parquet":
+                shutil.copytree(starts["mirror" if kind == "mirror" else "plain"], table)
+        before = delta_version(table) if kind != "parquet" else -1
+        tag = run_hours[0][-5:-3]
+        job = {
+            **common,
+            "variant": variant,
+            "hours": run_hours,
+            "table": str(table),
+            "lake_root": str(run_dir / "lake"),
+            "result": str(run_dir / f"result-{tag}.json"),
+            "profile": profile,
+        }
+        _log(f"  {label} {run_hours[0]}" + (f" .. {run_hours[-1]}" if len(run_hours) > 1 else ""))
+        outside = _child(
+            run_dir / f"job-{tag}.json", job, ["benchmarks.variants"], run_dir / f"run-{tag}.log"
+        )
+        inside = json.loads(Path(job["result"]).read_text())
+        files = parquet_files(table) if kind == "parquet" else delta_files(table, before)
+        measured.append({"variant": label, "hours": len(run_hours), **outside, **inside, **files})
+        tables[label] = (kind, str(table))
+    rows = _merge_series(measured)
+    verdicts = {}
+    if tables:
+        _log("  checking the results against the reference")
+        verdicts = json.loads(
+            _check(
+                case_dir,
+                {
+                    "reference": str(reference),
+                    "plain": str(starts["plain"]),
+                    "tables": tables,
+                    "events": events,
+                },
+            )
+        )
+    for row in rows:
+        row.update(verdicts.get(row["variant"], {}))
+        row["events_per_s"] = round(events / row["wall_s"]) if row["wall_s"] else None
+    return {
+        "case": case.name,
+        **dataclasses.asdict(case),
+        "events_total": events,
+        "changed_keys": len(workload.changed),
+        "produce_s": round(produce_s, 1),
+        "runs": rows,
+    }
+
+
+def _merge_series(measured: list[dict]) -> list[dict]:
+    """The 24 one-hour runs of a backfill as one row: times and files summed, memory max."""
+    out, series = [], [m for m in measured if m["variant"] == "backfill-24-runs"]
+    out = [m for m in measured if m["variant"] != "backfill-24-runs"]
+    if series:
+        total = {"variant": "backfill-24-runs", "hours": len(series)}
+        for key in ("wall_s", "files_written", "bytes_written", "files_touched", "dvs"):
+            total[key] = round(sum(m[key] for m in series), 2)
+        total["peak_rss_bytes"] = max(m["peak_rss_bytes"] for m in series)
+        total["consumed"] = sum(m.get("consumed", 0) for m in series)
+        total["failed_checks"] = [c for m in series for c in m.get("failed_checks", [])]
+        total["phases"] = {"per_run_wall_s": [m["wall_s"] for m in series]}
+        out.append(total)
+    return out
+
+
+def _child(job_file: Path, job: dict, module: list[str], log: Path) -> dict:
+    job_file.write_text(json.dumps(job))
+    return run_child([*module, str(job_file)], log)
+
+
+def _check(case_dir: Path, job: dict) -> str:
+    job["result"] = str(case_dir / "check.json")
+    _child(case_dir / "check-job.json", job, ["benchmarks.tables", "check"], case_dir / "check.log")
+    return Path(job["result"]).read_text()
+
+
+def _save(results: dict, args: argparse.Namespace) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"ingest-{args.profile}.json").write_text(json.dumps(results, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="standard")
+    parser.add_argument("--only", nargs="*", help="run the cases whose name contains any of these")
+    parser.add_argument("--work", default=str(REPO / ".local" / "bench"))
+    parser.add_argument(
+        "--profile-runs",
+        action="store_true",
+        help="run each variant under cProfile (slower); writes result-*.profile.txt beside it",
+    )
+    args = parser.parse_args(argv)
+    from benchmarks.report import report
+
+    results = run(args)
+    report(results, RESULTS / f"ingest-{args.profile}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
