@@ -18,6 +18,79 @@ COLUMNS = (
 )
 
 
+def _wall(results: dict, case_prefix: str, variant: str) -> float | None:
+    for case in results["cases"]:
+        if case["case"].startswith(case_prefix):
+            for run in case["runs"]:
+                if run["variant"] == variant:
+                    return run["wall_s"]
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+# (name, how it's computed, the target, whether lower is better)
+TARGETS = (
+    ("ours / floor, layout a, 1M events into 10M rows", 3.0, "max"),
+    ("ours / floor, layout b, 1M events into 10M rows", 8.0, "max"),
+    ("naive / ours, layout a, 10M rows", 5.0, "min"),
+    ("naive / ours, layout b, 10M rows", 5.0, "min"),
+    ("ours 10M rows / ours 5M rows, 1M events, layout a", 1.3, "max"),
+    ("24 runs / 1 run, 24-hour backfill", 3.0, "min"),
+    ("fixed overhead: empty hour / 1M-event hour, 10M rows", 0.10, "max"),
+    ("peak memory of any run of ours, GiB", 6.0, "max"),
+)
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets, from whichever of their cases this run measured."""
+    a, b = "hour-a-1Mev-10Mrows-1p", "hour-b-1Mev-10Mrows-1p"
+    backfill = next((c["case"] for c in results["cases"] if c["hours"] > 1), "-")
+    ours = ("ours", "ours-empty", "backfill-1-run", "backfill-24-runs")
+    runs = [r for c in results["cases"] for r in c["runs"]]
+    peaks = [r["peak_rss_bytes"] for r in runs if r["variant"] in ours]
+    measured = [
+        _ratio(_wall(results, a, "ours"), _wall(results, a, "floor")),
+        _ratio(_wall(results, b, "ours"), _wall(results, b, "floor")),
+        _ratio(_wall(results, a, "naive"), _wall(results, a, "ours")),
+        _ratio(_wall(results, b, "naive"), _wall(results, b, "ours")),
+        _ratio(_wall(results, a, "ours"), _wall(results, "hour-a-1Mev-5Mrows-1p", "ours")),
+        _ratio(
+            _wall(results, backfill, "backfill-24-runs"), _wall(results, backfill, "backfill-1-run")
+        ),
+        _ratio(_wall(results, a, "ours-empty"), _wall(results, a, "ours")),
+        round(max(peaks) / 2**30, 2) if peaks else None,
+    ]
+    out = []
+    for (name, target, kind), value in zip(TARGETS, measured, strict=True):
+        met = None if value is None else (value <= target if kind == "max" else value >= target)
+        out.append(
+            {
+                "target": name,
+                "goal": f"{'<=' if kind == 'max' else '>='} {target}",
+                "measured": value,
+                "met": met,
+            }
+        )
+    return out
+
+
+def targets_table(results: dict, markdown: bool = False) -> str:
+    lines = []
+    for t in results.get("targets", []):
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        value = "-" if t["measured"] is None else f"{t['measured']}"
+        if markdown:
+            lines.append(f"| {t['target']} | {t['goal']} | {value} | {verdict} |")
+        else:
+            lines.append(f"{t['target']:<58} {t['goal']:>8} {value:>8}  {verdict}")
+    if markdown and lines:
+        lines = ["| target | goal | measured | |", "|---|---|---|---|", *lines]
+    return "\n".join(lines)
+
+
 def rows(results: dict) -> list[list[str]]:
     out = []
     for case in results["cases"]:
@@ -86,6 +159,9 @@ def plot(results: dict, path: Path) -> None:
 
 def report(results: dict, stem: Path) -> None:
     print(text_table(results))
-    stem.with_suffix(".md").write_text(markdown_table(results) + "\n")
+    print()
+    print(targets_table(results))
+    markdown = markdown_table(results) + "\n\n" + targets_table(results, markdown=True)
+    stem.with_suffix(".md").write_text(markdown + "\n")
     plot(results, stem.with_suffix(".png"))
     print(f"results: {stem}.json, {stem}.md, {stem}.png")

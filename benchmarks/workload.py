@@ -162,8 +162,9 @@ class Workload:
         rank = (rank - 1) % count
         if self.layout == "a":  # the rank-th newest key
             return self._key_at(count - 1 - rank)
-        # A fixed odd multiplier permutes the indexes: hot keys land anywhere in the range.
-        return self._key_at((rank * 2_654_435_761 + 12_345) % count)
+        # A fixed odd multiplier permutes the starting keys: the hot keys stay the same all
+        # along and land anywhere in the range.
+        return self._key_at((rank * 2_654_435_761 + 12_345) % self.rows)
 
     def _new_key(self) -> int:
         if self.layout == "a":

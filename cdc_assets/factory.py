@@ -17,6 +17,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError, run_hour
 from cdc_assets.masking import MaskedMirrorError, hashed_columns
 from cdc_assets.slicing import SliceError
+from checks.expectations import preload as preload_expectations
 from checks.table_checks import (
     build_retention_check,
     evaluate_run_checks,
@@ -239,6 +240,7 @@ def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
         lake: LakeResource = context.resources.lake
         path = lake.table_path(spec.name)
         masking_key = _masking_key(context, spec)
+        preload_expectations()  # while the Spark session starts
         hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
         for hour_key in context.partition_keys:
             result = _hour(

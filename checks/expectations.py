@@ -18,7 +18,10 @@ of unexpected values are dropped, so no user row reaches the UI or the logs.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
+import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +156,22 @@ def _gx_expectations(expectation: Expectation) -> list:
         class_name = "DecimalType" if declared.startswith("decimal") else _SPARK_CLASSES[declared]
         return [kinds.ExpectColumnValuesToBeOfType(column=column, type_=class_name)]
     raise ValueError(f"unknown expectation kind '{expectation.kind}'")
+
+
+def preload() -> None:
+    """Imports great-expectations in a background thread.
+
+    The import takes ~9 s of one core (measured by `scripts/bench.sh --profile-runs`). A run
+    calls this before its Spark session starts, so the import overlaps the JVM's start instead
+    of delaying the first check; a later import waits for it to finish.
+    """
+    if "great_expectations" not in sys.modules:
+        threading.Thread(
+            target=importlib.import_module,
+            args=("great_expectations",),
+            name="great-expectations-import",
+            daemon=True,
+        ).start()
 
 
 @functools.lru_cache(maxsize=1)
@@ -395,7 +414,18 @@ def validate_written(
                 )
                 .distinct()
             )
-            colliding = live.join(values, on=list(e.columns), how="left_semi")
+            # Only files whose statistics overlap the written values' ranges can collide.
+            ranges = values.agg(
+                *[F.min(c).alias(f"low_{n}") for n, c in enumerate(e.columns)],
+                *[F.max(c).alias(f"high_{n}") for n, c in enumerate(e.columns)],
+            ).first()
+            candidates = live
+            for n, c in enumerate(e.columns):
+                if ranges[f"low_{n}"] is not None:
+                    candidates = candidates.where(
+                        F.col(c).between(F.lit(ranges[f"low_{n}"]), F.lit(ranges[f"high_{n}"]))
+                    )
+            colliding = candidates.join(values, on=list(e.columns), how="left_semi")
             outcomes[e.name] = _summarize(
                 e,
                 _validate(
