@@ -64,9 +64,9 @@ PROFILES = {
         Case("a", 100_000, 1_000_000, 1),
         Case("a", 100_000, 1_000_000, 4, variants=("floor", "ours")),
         Case("a", 1_000_000, 10_000_000, 1, variants=(*VARIANTS, "ours-empty")),
+        Case("a", 5_000, 1_000_000, 1, variants=(), hours=24),
         Case("b", 1_000_000, 10_000_000, 1),
         Case("a", 1_000_000, 5_000_000, 1, variants=("ours",)),
-        Case("a", 5_000, 1_000_000, 1, variants=(), hours=24),
     ],
     # A few minutes: to see that everything works.
     "smoke": [
@@ -259,9 +259,10 @@ def write_reference(workload: Workload, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     work = Path(args.work).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    # The starting tables of earlier runs are kept (building 10M rows takes minutes); the
+    # broker's data and the cases' folders are made anew.
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "kafka", ignore_errors=True)
     port = 19092
     while not (port_free(port) and port_free(port + 1)):
         port += 2
@@ -311,23 +312,29 @@ def run_case(
     slice_ = topic_slice(bootstrap, topic)
     events = sum(end - start for start, end in slice_.values())
     case_dir = work / case.name
+    shutil.rmtree(case_dir, ignore_errors=True)
     case_dir.mkdir()
     reference = case_dir / "reference.parquet"
     write_reference(workload, reference)
     start_hour = first_hour.strftime(HOUR_FORMAT)
+    paths = {"plain": work / f"start-{case.rows}-plain", "mirror": work / f"start-{case.rows}"}
+    if case.rows not in built and all((p / "_delta_log").exists() for p in paths.values()):
+        built[case.rows] = paths
     if case.rows not in built:
         _log(f"building the {case.rows:,}-row starting tables")
-        paths = {"plain": work / f"start-{case.rows}-plain", "mirror": work / f"start-{case.rows}"}
+        for path in paths.values():
+            shutil.rmtree(path, ignore_errors=True)
         job = {"rows": case.rows, "start_hour": start_hour, **{k: str(v) for k, v in paths.items()}}
         _child(case_dir / "build.json", job, ["benchmarks.tables", "build"], case_dir / "build.log")
         built[case.rows] = paths
     starts = built[case.rows]
     hours = [(first_hour + timedelta(hours=h)).strftime(HOUR_FORMAT) for h in range(case.hours)]
 
-    spec = bench_spec(start_hour).model_copy(update={"topic": topic}).model_dump(mode="json")
+    # The table's first partition is the hour before the events: ours-empty runs it.
+    before_first = (first_hour - timedelta(hours=1)).strftime(HOUR_FORMAT)
+    spec = bench_spec(before_first).model_copy(update={"topic": topic}).model_dump(mode="json")
     common = {"bootstrap": bootstrap, "topic": topic, "slice": slice_, "spec": spec}
     # (label, variant, hours of the run, its folder, whether it starts from a fresh copy)
-    before_first = (first_hour - timedelta(hours=1)).strftime(HOUR_FORMAT)  # no events
     runs = [
         (v, v, [before_first] if v == "ours-empty" else hours, case_dir / v, True)
         for v in case.variants
@@ -424,8 +431,23 @@ def _check(case_dir: Path, job: dict) -> str:
 
 
 def _save(results: dict, args: argparse.Namespace) -> None:
+    """Saves the results; a run of some cases (--only) replaces just those cases in the file."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"ingest-{args.profile}.json").write_text(json.dumps(results, indent=2))
+    path = RESULTS / f"ingest-{args.profile}.json"
+    if args.only and path.exists():
+        saved = json.loads(path.read_text())
+        ran = {c["case"] for c in results["cases"]}
+        order = [c.name for c in PROFILES[args.profile]]
+        cases = [c for c in saved["cases"] if c["case"] not in ran] + results["cases"]
+        cases.sort(key=lambda c: order.index(c["case"]) if c["case"] in order else len(order))
+        results = {
+            **results,
+            "cases": cases,
+            "runs_of": sorted(
+                {*saved.get("runs_of", [saved["started_at"]]), results["started_at"]}
+            ),
+        }
+    path.write_text(json.dumps(results, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from benchmarks.report import report, targets
 
-    results = run(args)
+    _save(run(args), args)
+    results = json.loads((RESULTS / f"ingest-{args.profile}.json").read_text())
     results["targets"] = targets(results)
-    _save(results, args)
+    (RESULTS / f"ingest-{args.profile}.json").write_text(json.dumps(results, indent=2))
     report(results, RESULTS / f"ingest-{args.profile}")
     return 0
 
