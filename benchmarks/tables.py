@@ -97,6 +97,8 @@ def build(job: dict) -> None:
         ]
     )
     ensure_mirror_table(spark, job["mirror"], mirror.limit(0), spec)
+    files = max(1, rows // ROWS_PER_FILE)  # the same files as the plain table's
+    mirror = mirror.repartitionByRange(files, PRIMARY_KEY).sortWithinPartitions(PRIMARY_KEY)
     mirror.write.format("delta").mode("append").save(job["mirror"])
     spark.stop()
 
