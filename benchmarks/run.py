@@ -30,7 +30,14 @@ import pyarrow.parquet as pq
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.tables import bench_spec
-from benchmarks.workload import COLUMNS, PRIMARY_KEY, TABLE, Workload
+from benchmarks.workload import (
+    COLUMNS,
+    PRIMARY_KEY,
+    TABLE,
+    Workload,
+    arrow_json_type,
+    arrow_table_values,
+)
 from demo.produce import ensure_topics
 from devtools import kafka_broker
 from devtools.processes import port_free
@@ -225,31 +232,10 @@ def write_reference(workload: Workload, path: Path) -> None:
     """The newest state of every key the events changed, typed as the tables store it."""
     keys = sorted(workload.changed)
     rows = [workload.changed[k] for k in keys]
-    types = {
-        "bigint": pa.int64(),
-        "int": pa.int32(),
-        "string": pa.string(),
-        "boolean": pa.bool_(),
-        "double": pa.float64(),
-    }
     columns = {}
     for column, kind in COLUMNS.items():
-        values = [None if r is None else r[column] for r in rows]
-        if column == PRIMARY_KEY:
-            values = keys
-        if kind == "timestamp":
-            array = (
-                pa.array(values, pa.int64())
-                .cast(pa.timestamp("us"))
-                .cast(pa.timestamp("us", tz="UTC"))
-            )
-        elif kind == "date":
-            array = pa.array(values, pa.int32()).cast(pa.date32())
-        elif kind.startswith("decimal"):
-            array = pa.array(values, pa.string()).cast(pa.decimal128(12, 2))
-        else:
-            array = pa.array(values, types[kind])
-        columns[column] = array
+        values = keys if column == PRIMARY_KEY else [None if r is None else r[column] for r in rows]
+        columns[column] = arrow_table_values(pa.array(values, arrow_json_type(kind)), kind)
     columns["deleted"] = pa.array([r is None for r in rows])
     pq.write_table(pa.table(columns), path)
 
@@ -430,10 +416,18 @@ def _check(case_dir: Path, job: dict) -> str:
     return Path(job["result"]).read_text()
 
 
+def results_stem(args: argparse.Namespace) -> Path:
+    """Where the results go: benchmarks/results/, except a profiled run's (cProfile slows every
+    variant, so its figures must not replace the benchmark's), which stays in the work folder."""
+    if args.profile_runs:
+        return Path(args.work).resolve() / f"ingest-{args.profile}-profiled"
+    return RESULTS / f"ingest-{args.profile}"
+
+
 def _save(results: dict, args: argparse.Namespace) -> None:
     """Saves the results; a run of some cases (--only) replaces just those cases in the file."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"ingest-{args.profile}.json"
+    path = results_stem(args).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     if args.only and path.exists():
         saved = json.loads(path.read_text())
         ran = {c["case"] for c in results["cases"]}
@@ -467,10 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import report, targets
 
     _save(run(args), args)
-    results = json.loads((RESULTS / f"ingest-{args.profile}.json").read_text())
+    stem = results_stem(args)
+    results = json.loads(stem.with_suffix(".json").read_text())
     results["targets"] = targets(results)
-    (RESULTS / f"ingest-{args.profile}.json").write_text(json.dumps(results, indent=2))
-    report(results, RESULTS / f"ingest-{args.profile}")
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    report(results, stem)
     return 0
 
 

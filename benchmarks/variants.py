@@ -164,7 +164,7 @@ def delta_rs(job: dict, phases: dict) -> dict:
     from deltalake import DeltaTable
     from kafka import KafkaConsumer, TopicPartition
 
-    from benchmarks.workload import COLUMNS, PRIMARY_KEY
+    from benchmarks.workload import COLUMNS, PRIMARY_KEY, arrow_json_type, arrow_table_values
 
     consumer = KafkaConsumer(
         bootstrap_servers=job["bootstrap"],
@@ -192,15 +192,7 @@ def delta_rs(job: dict, phases: dict) -> dict:
     consumer.close()
     phases["read"] = time.monotonic() - T0
 
-    raw = {"timestamp": pa.int64(), "date": pa.int32(), "decimal(12,2)": pa.string()}
-    plain = {
-        "bigint": pa.int64(),
-        "int": pa.int32(),
-        "string": pa.string(),
-        "boolean": pa.bool_(),
-        "double": pa.float64(),
-    }
-    row = pa.struct([(c, raw.get(t) or plain[t]) for c, t in COLUMNS.items()])
+    row = pa.struct([(c, arrow_json_type(t)) for c, t in COLUMNS.items()])
     schema = pa.schema(
         [
             ("before", row),
@@ -220,20 +212,8 @@ def delta_rs(job: dict, phases: dict) -> dict:
     order = np.lexsort((lsn, keys))  # by key, then sequence: the last of each key is newest
     last = np.append(keys[order][1:] != keys[order][:-1], True)
     take = pa.array(order[last])
-    target_types = {
-        "timestamp": pa.timestamp("us", tz="UTC"),
-        "date": pa.date32(),
-        "decimal(12,2)": pa.decimal128(12, 2),
-    }
     newest_after = after.take(take)
-    columns = {}
-    for column, kind in COLUMNS.items():
-        values_ = newest_after.field(column)
-        if kind == "timestamp":
-            values_ = values_.cast(pa.timestamp("us")).cast(target_types[kind])
-        elif kind in target_types:
-            values_ = values_.cast(target_types[kind])
-        columns[column] = values_
+    columns = {c: arrow_table_values(newest_after.field(c), t) for c, t in COLUMNS.items()}
     columns[PRIMARY_KEY] = pa.array(keys[order[last]])
     columns["op"] = table.column("op").combine_chunks().take(take)
     source = pa.table(columns)

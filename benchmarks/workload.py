@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 import numpy as np
+import pyarrow as pa
 
 TABLE = "bench_orders"
 PRIMARY_KEY = "id"
@@ -71,6 +72,30 @@ START_COLUMNS = {
     "updated_at": f"timestamp_micros({BASE_US} + id * 1000)",
     "ship_date": f"date_add(date'1970-01-01', cast({BASE_DAY} + id % 365 as int))",
 }
+
+
+def arrow_json_type(kind: str) -> pa.DataType:
+    """The Arrow type of a `kind` column's value in the events' JSON (Debezium's encoding)."""
+    encoded = {"timestamp": pa.int64(), "date": pa.int32(), "decimal(12,2)": pa.string()}
+    plain = {
+        "bigint": pa.int64(),
+        "int": pa.int32(),
+        "string": pa.string(),
+        "boolean": pa.bool_(),
+        "double": pa.float64(),
+    }
+    return encoded.get(kind) or plain[kind]
+
+
+def arrow_table_values(encoded: pa.Array, kind: str) -> pa.Array:
+    """JSON-encoded values (`arrow_json_type`) converted to the type the tables store."""
+    if kind == "timestamp":  # epoch microseconds
+        return encoded.cast(pa.timestamp("us")).cast(pa.timestamp("us", tz="UTC"))
+    if kind == "date":  # epoch days
+        return encoded.cast(pa.date32())
+    if kind == "decimal(12,2)":  # a string
+        return encoded.cast(pa.decimal128(12, 2))
+    return encoded
 
 
 def start_row(key: int) -> dict:
