@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -23,23 +23,17 @@ from pydantic import (
     model_validator,
 )
 
+from cdc_assets import encodings
+
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 
-# Spark SQL types a source column may be declared as. A timestamp may name the unit Debezium
-# sends epoch values in: (us) MicroTimestamp, the default; (ms) Timestamp; (ns) NanoTimestamp.
-_TIMESTAMP_UNITS = ("timestamp(us)", "timestamp(ms)", "timestamp(ns)")
-_SIMPLE_TYPES = {
-    "string",
-    "boolean",
-    "int",
-    "bigint",
-    "double",
-    "float",
-    "timestamp",
-    "date",
-    *_TIMESTAMP_UNITS,
+# Shorthands of earlier configs: a timestamp naming the unit of its epoch values, which is the
+# column's encoding (cdc_assets/encodings.py).
+_TIMESTAMP_UNITS = {
+    "timestamp(us)": "MicroTimestamp",
+    "timestamp(ms)": "Timestamp",
+    "timestamp(ns)": "NanoTimestamp",
 }
-_DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
 
@@ -49,6 +43,8 @@ RESERVED_CHECK_NAMES = (
     "complete_hour",
     "accounting",
     "continuity",
+    "changes_readable",
+    "toasted_values",
     "error_rate",
     "freshness",
     "schema_drift",
@@ -59,8 +55,8 @@ RESERVED_CHECK_NAMES = (
 
 
 def spark_type(declared: str) -> str:
-    """The Spark SQL type of a declared column type (a timestamp's unit is an encoding)."""
-    return "timestamp" if declared.startswith("timestamp") else declared
+    """The Spark SQL type of a declared column type."""
+    return encodings.spark_type(declared)
 
 
 class TableConfigError(ValueError):
@@ -73,7 +69,13 @@ class SequenceField(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     field: str = Field(description="Dotted path inside the envelope, e.g. 'source.lsn'.")
-    type: Literal["bigint", "string"] = "bigint"
+    type: Literal["bigint", "string", "binlog"] = Field(
+        default="bigint",
+        description=(
+            "binlog: a MySQL binlog file name ('mysql-bin.000012'), ordered by its number, "
+            "not as a string."
+        ),
+    )
 
     @field_validator("field")
     @classmethod
@@ -147,11 +149,7 @@ class ExpectationSpec(BaseModel):
                 re.compile(self.regex)
             except re.error as exc:
                 raise ValueError(f"regex '{self.regex}' does not compile: {exc}") from None
-        if (
-            self.type is not None
-            and self.type not in _SIMPLE_TYPES
-            and not _DECIMAL.match(self.type)
-        ):
+        if self.type is not None and not encodings.is_valid_type(self.type):
             raise ValueError(f"type '{self.type}' is not a column type")
         if self.hard and self.expect not in _HARD_KINDS:
             raise ValueError(
@@ -209,6 +207,9 @@ class ChecksConfig(BaseModel):
     complete_hour: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     accounting: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     continuity: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
+    # An hour whose every change went to the error table applied nothing: fail the run.
+    changes_readable: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
+    toasted_values: CheckPolicy = CheckPolicy(severity="ERROR")
     error_rate: ErrorRatePolicy = ErrorRatePolicy()
     freshness: FreshnessPolicy = FreshnessPolicy()
     schema_drift: CheckPolicy = CheckPolicy()
@@ -227,6 +228,25 @@ class TableSpec(BaseModel):
     primary_key: tuple[str, ...]
     columns: dict[str, str] = Field(
         description="Source columns and their Spark SQL types, in table order."
+    )
+    encodings: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Column → how the connector encodes it when its records carry no schema "
+            "(value.converter.schemas.enable=false); set per column as "
+            "{type: ..., encoding: ...} under columns. See docs/debezium.md."
+        ),
+    )
+    decimal_handling: Literal["precise", "string", "double"] = Field(
+        default="precise",
+        description=(
+            "The connector's decimal.handling.mode, for decimal columns of records without a "
+            "schema (the connector's default, precise: base64 of the unscaled integer)."
+        ),
+    )
+    binary_handling: Literal["bytes", "base64", "hex"] = Field(
+        default="bytes",
+        description="The connector's binary.handling.mode, for binary columns (no schema).",
     )
     sequence: tuple[SequenceField, ...] = (SequenceField(field="source.lsn"),)
     delete_mode: Literal["soft", "hard"] = Field(
@@ -308,6 +328,24 @@ class TableSpec(BaseModel):
             raise ValueError(f"'{value}' ends in '__errors', which names error tables")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _column_entries(cls, data: Any) -> Any:
+        """`columns` entries may be a type or {type, encoding}; encodings are kept apart."""
+        if not isinstance(data, dict) or not isinstance(data.get("columns"), dict):
+            return data
+        columns, found = {}, dict(data.get("encodings") or {})
+        for column, entry in data["columns"].items():
+            if isinstance(entry, dict) and set(entry) <= {"type", "encoding"}:
+                if entry.get("encoding") is not None:
+                    found[column] = entry["encoding"]
+                entry = entry.get("type")
+            if isinstance(entry, str) and entry in _TIMESTAMP_UNITS:
+                found.setdefault(column, _TIMESTAMP_UNITS[entry])
+                entry = "timestamp"
+            columns[column] = entry
+        return {**data, "columns": columns, **({"encodings": found} if found else {})}
+
     @field_validator("columns")
     @classmethod
     def _columns(cls, value: dict[str, str]) -> dict[str, str]:
@@ -321,16 +359,32 @@ class TableSpec(BaseModel):
             if column.lower() in seen:  # Spark resolves column names case-insensitively
                 problems.append(f"columns '{seen[column.lower()]}' and '{column}' collide")
             seen[column.lower()] = column
-            decimal = _DECIMAL.match(declared)
-            if decimal and not (1 <= int(decimal[1]) <= 38 and int(decimal[2]) <= int(decimal[1])):
-                problems.append(
-                    f"column '{column}' has type '{declared}'; decimal(p,s) needs 1 <= p <= 38 "
-                    "and 0 <= s <= p"
-                )
-            elif declared not in _SIMPLE_TYPES and not decimal:
+            if not isinstance(declared, str) or not encodings.is_valid_type(declared):
                 problems.append(
                     f"column '{column}' has type '{declared}'; use one of "
-                    f"{sorted(_SIMPLE_TYPES)} or decimal(p,s)"
+                    f"{list(encodings.SCALAR_TYPES)}, decimal(p,s) with 1 <= p <= 38 and "
+                    "0 <= s <= p, or array<one of those>"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("encodings")
+    @classmethod
+    def _encodings(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        columns = info.data.get("columns") or {}
+        problems = []
+        for column, encoding in value.items():
+            if columns and column not in columns:
+                problems.append(f"column '{column}' has an encoding but is not under columns")
+                continue
+            allowed = encodings.configurable_encodings(columns.get(column, ""))
+            if columns and encoding not in allowed:
+                choice = f"one of {list(allowed)}" if allowed else "none (its type has one)"
+                problems.append(
+                    f"column '{column}' ({columns[column]}) has encoding '{encoding}'; use "
+                    f"{choice}. It matters only when the connector sends no schema "
+                    "(value.converter.schemas.enable=false): with one, the schema decides"
                 )
         if problems:
             raise ValueError("; ".join(problems))

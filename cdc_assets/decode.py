@@ -1,9 +1,11 @@
-"""Debezium envelopes → typed change rows; anything that can't be applied → an error reason.
+"""Debezium records → typed change rows; anything that can't be applied → an error reason.
 
 The CDC rules, stated once:
 
 - A record's value is a Debezium envelope, with or without the Kafka Connect `schema`/`payload`
-  wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update) or `d` (delete).
+  wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update), `d` (delete) or `t`
+  (truncate). Each column value is read in the encoding the record's own Connect schema names,
+  or, without a schema, the table's config (`cdc_assets/encodings.py` states that rule).
 - c/r/u carry the row in `after`, which must hold every declared column (JSON null is a value;
   an absent column is a schema change). A delete needs only its primary key and sequence: the
   key comes from `before`, or from the Kafka key when `before` lacks it (Postgres' default
@@ -11,29 +13,40 @@ The CDC rules, stated once:
 - A null value is a Kafka tombstone (log compaction's marker after a delete): counted, skipped.
 - Changes of one key are ordered by the table's sequence (default `source.lsn`), then Kafka
   partition and offset. Offsets alone can't order changes: a topic's partition count may change.
+  A `binlog` sequence field (MySQL's `source.file`) orders by the file's number, not its name.
 - A record is an error, kept with its raw bytes and the reason, when: its value is not JSON,
   it is larger than the table's `max_record_bytes`, `op` is missing or unknown, the primary key
   or a sequence field is missing, the Kafka key names another primary key than the row, a change
-  lacks a declared column, or a value does not convert to the declared type. Reasons never
-  quote record values. Errors never stop the run (I7).
+  lacks a declared column, or a value is not in its column's encoding or does not fit the
+  declared type exactly. Reasons never quote record values. Errors never stop the run (I7).
 - A truncate (`op` `t`) needs only its sequence; `hour_run` applies it or stops the run, as the
   table's `on_truncate` says. It is never silently dropped.
-- Debezium encodings: decimals as strings (decimal.handling.mode=string) or numbers; timestamps
-  as epoch numbers in the column's unit (`timestamp` and `timestamp(us)`: MicroTimestamp,
-  `timestamp(ms)`: Timestamp, `timestamp(ns)`: NanoTimestamp) or ISO-8601 strings
-  (ZonedTimestamp); dates as epoch days or ISO-8601 strings. `source.ts_ms` outside years
-  1–9999 is treated as unknown rather than failing the run.
+- Debezium's `__debezium_unavailable_value` (a TOASTed value the change does not carry because
+  it did not change) is "no value" in a column listed under `toasted_columns`, an error in any
+  other. A primary-key update moves the row: Debezium deletes the old key and creates the new
+  one, naming the old key in the create's `__debezium.oldkey` header; the create is tagged
+  with it (`MOVED_FROM`) so the MERGE can carry the unchanged TOASTed values over.
+
+The decoder is plain Python over Arrow batches (`RecordDecoder`): Spark runs it in its Python
+workers (`decode`), and it is tested as a pure function on records a real connector wrote.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from pyspark.sql import Column, DataFrame
-from pyspark.sql import functions as F
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import types as T
 
-from cdc_assets.config import TableSpec, spark_type
+from cdc_assets import encodings as enc
+from cdc_assets.config import TableSpec
 
 OPS = ("c", "r", "u", "d", "t")
 TRUNCATE = "t"
@@ -49,9 +62,19 @@ OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET = (
 HOUR, INGESTED_AT, DELETED = "_cdc_hour", "_cdc_ingested_at", "_cdc_deleted"
 ERROR = "_cdc_error"
 TOMBSTONE = "_cdc_is_tombstone"
-ROW = "_cdc_row"  # the change's row as a variant (`after`, or `before` for a delete)
+KAFKA_TIMESTAMP = "_cdc_kafka_timestamp"
+# The old primary key of a change that moved its row (a primary-key update), from Debezium's
+# `__debezium.oldkey` header; null for other changes.
+MOVED_FROM = "_cdc_moved_from"
+# What the hour's records told of the source's columns: one JSON summary per Arrow batch.
+SHAPE = "_cdc_shape"
 # Debezium's stand-in for a TOASTed value the change doesn't carry (it did not change).
 UNAVAILABLE = "__debezium_unavailable_value"
+OLD_KEY_HEADER = "__debezium.oldkey"
+_UNAVAILABLE_BASE64 = base64.b64encode(UNAVAILABLE.encode()).decode()
+_UNAVAILABLE_HEX = binascii.hexlify(UNAVAILABLE.encode()).decode()
+_SCHEMA_PREFIX = b'{"schema":'
+_PAYLOAD_SEPARATOR = b',"payload":'
 
 
 def has_value(column: str) -> str:
@@ -64,179 +87,738 @@ def value_sequence(column: str) -> str:
     return f"_cdc_seq__{column}"
 
 
-def parse_object_fields(text: str | None) -> dict[str, str]:
-    """Field → kind of a `schema_of_variant` OBJECT<...> string (top level only)."""
-    if not text or not text.startswith("OBJECT<") or not text.endswith(">"):
-        return {}
-    body, fields, depth, quoted, item = text[len("OBJECT<") : -1], {}, 0, False, ""
-    for char in body + ",":
-        if char == "`":
-            quoted = not quoted
-        elif not quoted and char in "<(":
-            depth += 1
-        elif not quoted and char in ">)":
-            depth -= 1
-        if char == "," and depth == 0 and not quoted:
-            name, kind = _split_field(item.strip())
-            if name:
-                fields[name] = kind
-            item = ""
-        else:
-            item += char
-    return fields
+# --- the plan: what the decoder needs of a table -----------------------------------------------
 
 
-def _split_field(item: str) -> tuple[str, str]:
-    """'name: KIND' or '`odd name`: KIND' (a backquote inside is doubled) → (name, KIND)."""
-    if item.startswith("`"):
-        close = 1
-        while (close := item.index("`", close)) + 1 < len(item) and item[close + 1] == "`":
-            close += 2
-        return item[1:close].replace("``", "`"), item[close + 1 :].removeprefix(":").strip()
-    name, _, kind = item.partition(":")
-    return name.strip(), kind.strip()
+@dataclass(frozen=True)
+class DecodePlan:
+    """A table's columns and settings as the decoder uses them (picklable, for Spark workers).
 
-
-def source_kinds(decoded: DataFrame) -> dict[str, str]:
-    """Column → JSON kind of the rows an hour's changes carried (inserts, updates, snapshots).
-
-    One `schema_of_variant_agg` over those rows; where a column's kind varied it says only
-    VARIANT, and the distinct kinds are looked up (a second job), joined by '|'.
+    `columns` holds the declared columns, then those the mirror gained undeclared (`added`),
+    each with its encoding when the envelope has no schema.
     """
-    rows = decoded.where(~F.col(TOMBSTONE) & F.col(OP).isin("c", "u", "r"))
-    fields = parse_object_fields(rows.agg(F.schema_of_variant_agg(F.col(ROW))).first()[0])
-    mixed = [column for column, kind in fields.items() if kind == "VARIANT"]
-    if mixed:
-        kinds = rows.agg(
-            *[
-                F.array_sort(
-                    F.collect_set(F.schema_of_variant(_get(F.col(ROW), _field(c), "variant")))
-                ).alias(f"k{n}")
-                for n, c in enumerate(mixed)
+
+    table: str
+    columns: tuple[tuple[str, str], ...]
+    configured: tuple[enc.Encoding, ...]
+    added: frozenset[str]
+    primary_key: tuple[str, ...]
+    sequence: tuple[tuple[str, str], ...]
+    toasted: tuple[str, ...]
+    max_record_bytes: int
+    hour_key: str
+    # Keep every record's raw bytes, not only the errors': hard expectations may send a change
+    # that decoded fine to the error table.
+    keep_raw: bool = False
+
+    @classmethod
+    def of(
+        cls, spec: TableSpec, *, hour_key: str, added_columns: Mapping[str, str] | None = None
+    ) -> DecodePlan:
+        added = dict(added_columns or {})
+        columns = (*spec.columns.items(), *added.items())
+        configured = tuple(
+            enc.configured_encoding(
+                declared,
+                spec.encodings.get(name),
+                decimal_handling=spec.decimal_handling,
+                binary_handling=spec.binary_handling,
+            )
+            for name, declared in columns
+        )
+        return cls(
+            table=spec.name,
+            columns=tuple(columns),
+            configured=configured,
+            added=frozenset(added),
+            primary_key=tuple(spec.primary_key),
+            sequence=tuple((part.field, part.type) for part in spec.sequence),
+            toasted=tuple(spec.toasted_columns),
+            max_record_bytes=spec.max_record_bytes,
+            hour_key=hour_key,
+            keep_raw=any(e.hard for e in spec.expectations),
+        )
+
+    @property
+    def declared(self) -> dict[str, str]:
+        return dict(self.columns)
+
+    def sequence_type(self) -> T.StructType:
+        parts = [
+            T.StructField(
+                path.replace(".", "_"), T.StringType() if kind == "string" else T.LongType()
+            )
+            for path, kind in self.sequence
+        ]
+        return T.StructType(
+            [
+                *parts,
+                T.StructField("kafka_partition", T.IntegerType()),
+                T.StructField("kafka_offset", T.LongType()),
             ]
-        ).first()
-        for n, column in enumerate(mixed):
-            fields[column] = "|".join(k for k in kinds[f"k{n}"] if k != "VOID") or "VOID"
-    return fields
+        )
+
+    def key_type(self) -> T.StructType:
+        declared = self.declared
+        return T.StructType(
+            [T.StructField(k, spark_data_type(declared[k])) for k in self.primary_key]
+        )
+
+    def spark_schema(self) -> T.StructType:
+        """The decoded frame's schema (see `decode`)."""
+        fields = [
+            T.StructField("key", T.BinaryType()),
+            T.StructField("value", T.BinaryType()),
+            T.StructField("topic", T.StringType()),
+            *[T.StructField(name, spark_data_type(declared)) for name, declared in self.columns],
+            T.StructField(OP, T.StringType()),
+            T.StructField(SEQUENCE, self.sequence_type()),
+            T.StructField(SOURCE_TS, T.TimestampType()),
+            T.StructField(KAFKA_PARTITION, T.IntegerType()),
+            T.StructField(KAFKA_OFFSET, T.LongType()),
+            T.StructField(KAFKA_TIMESTAMP, T.TimestampType()),
+            T.StructField(HOUR, T.StringType()),
+            T.StructField(DELETED, T.BooleanType()),
+            T.StructField(ERROR, T.StringType()),
+            T.StructField(TOMBSTONE, T.BooleanType()),
+            *[T.StructField(has_value(c), T.BooleanType()) for c in self.toasted],
+            *([T.StructField(MOVED_FROM, self.key_type())] if self.toasted else []),
+            T.StructField(SHAPE, T.StringType()),
+        ]
+        return T.StructType(fields)
 
 
-def _get(variant: Column, path: str, type_name: str) -> Column:
-    return F.try_variant_get(variant, path, type_name)
+# --- what the records told of the source's columns ----------------------------------------------
 
 
-def _field(name: str) -> str:
-    return f"$['{name}']"
+@dataclass
+class SourceShape:
+    """The columns the source sent in `after`, over an hour's inserts, updates and snapshots.
 
-
-def _present(variant: Column, path: str) -> Column:
-    value = _get(variant, path, "variant")
-    return value.isNotNull() & ~F.is_variant_null(value)
-
-
-# JSON kinds each declared type accepts (names as `schema_of_variant` reports them). Strict on
-# purpose: "yes" is not a boolean and "42" is not a bigint, even though Spark's casts allow it.
-_INTEGRAL = r"BIGINT|INT|SMALLINT|TINYINT|DECIMAL\(\d+,0\)"
-_NUMERIC = _INTEGRAL + r"|DOUBLE|FLOAT|DECIMAL\(\d+,\d+\)"
-_ACCEPTED_KINDS = {
-    "bigint": _INTEGRAL,
-    "int": _INTEGRAL,
-    "double": _NUMERIC,
-    "float": _NUMERIC,
-    "boolean": "BOOLEAN",
-    "string": "STRING",
-    "timestamp": _INTEGRAL + "|STRING",
-    "date": _INTEGRAL + "|STRING",
-}
-_DECIMAL_KINDS = _NUMERIC + "|STRING"
-
-
-def _accepted(declared: str) -> str:
-    return _ACCEPTED_KINDS.get(spark_type(declared), _DECIMAL_KINDS)
-
-
-def kind_fits(declared: str, kind: str) -> bool:
-    """Whether a JSON kind (as `schema_of_variant` names it) converts to the declared type.
-
-    VOID is JSON null, which every column accepts. A kind that varied within the hour is given
-    as its kinds joined by '|' (see `source_kinds`); each of them must fit.
+    `fields`: column → the encodings seen (`Encoding.descriptor()` with a schema, `json:<kind>`
+    without); `mismatches`: declared column → why its encoding doesn't fit its declared type;
+    `types`: undeclared column → the declared type that would hold it; `schemas`: whether the
+    records carried a Connect schema (True, False, or both).
     """
-    accepted = _accepted(declared)
-    return all(
-        part == "VOID" or re.fullmatch(f"({accepted})", part) is not None
-        for part in kind.split("|")
-    )
+
+    fields: dict[str, set[str]] = field(default_factory=dict)
+    mismatches: dict[str, set[str]] = field(default_factory=dict)
+    types: dict[str, set[str]] = field(default_factory=dict)
+    schemas: set[bool] = field(default_factory=set)
+
+    def merge(self, other: SourceShape) -> SourceShape:
+        for mine, theirs in (
+            (self.fields, other.fields),
+            (self.mismatches, other.mismatches),
+            (self.types, other.types),
+        ):
+            for name, values in theirs.items():
+                mine.setdefault(name, set()).update(values)
+        self.schemas |= other.schemas
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "fields": {k: sorted(v) for k, v in self.fields.items()},
+                "mismatches": {k: sorted(v) for k, v in self.mismatches.items()},
+                "types": {k: sorted(v) for k, v in self.types.items()},
+                "schemas": sorted(self.schemas),
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SourceShape:
+        raw = json.loads(text)
+        return cls(
+            fields={k: set(v) for k, v in raw["fields"].items()},
+            mismatches={k: set(v) for k, v in raw["mismatches"].items()},
+            types={k: set(v) for k, v in raw["types"].items()},
+            schemas=set(raw["schemas"]),
+        )
+
+    @classmethod
+    def combine(cls, texts: Iterable[str | None]) -> SourceShape:
+        shape = cls()
+        for text in texts:
+            if text:
+                shape.merge(cls.from_json(text))
+        return shape
 
 
-_ADDABLE = re.compile(r"(?!_cdc_)[A-Za-z_][A-Za-z0-9_]*", re.IGNORECASE)
-# The raw record's columns on a decoded row (kept for the error table).
-_RESERVED = {"key", "value", "topic"}
+def added_column_types(shape: SourceShape, known: Iterable[str]) -> dict[str, str]:
+    """Types for source columns that appeared undeclared, from what the hour's records said.
 
-
-def added_column_types(kinds: Mapping[str, str], known: Iterable[str]) -> dict[str, str]:
-    """Types for source columns that appeared undeclared, from their JSON kinds in the hour.
-
-    Whole numbers become bigint, other numbers double, booleans boolean, strings string; a
-    column whose kinds varied becomes string (and its other values errors). A column that was
-    only ever null waits for a value; objects and arrays wait for a declaration.
+    With a schema: the type its encoding calls for (`encodings.suggested_type`). Without:
+    whole numbers bigint, other numbers double, booleans boolean, strings string (as sent). A
+    column whose types varied becomes string, its other values errors. A column that was only
+    ever null waits for a value; objects, arrays and schema types with no single declared type
+    wait for a declaration (schema_drift names them).
     """
     known = {name.lower() for name in known}
     types = {}
-    for column, kind in kinds.items():
-        if column.lower() in known | _RESERVED or not _ADDABLE.fullmatch(column):
+    for column, suggested in shape.types.items():
+        if column.lower() in known | _RESERVED or not _addable(column):
             continue
-        parts = {k for k in kind.split("|") if k != "VOID"}
-        if not parts or any(k.startswith(("OBJECT", "ARRAY")) for k in parts):
-            continue  # nothing to go by yet, or nested data: declare it (schema_drift names it)
-        if all(re.fullmatch(f"({_INTEGRAL})", k) for k in parts):
-            types[column] = "bigint"
-        elif all(re.fullmatch(f"({_NUMERIC})", k) for k in parts):
+        kinds = {k for k in suggested if k}
+        if not kinds or any(" " in k for k in kinds):
+            continue
+        if len(kinds) == 1:
+            types[column] = next(iter(kinds))
+        elif kinds <= {"bigint", "double"}:
             types[column] = "double"
-        elif parts == {"BOOLEAN"}:
-            types[column] = "boolean"
-        else:
+        elif all(not k.startswith("array<") for k in kinds):
             types[column] = "string"
     return types
 
 
-# Microseconds per unit of an epoch timestamp, by the declared column type.
-_MICROS_PER_UNIT = {"timestamp": 1, "timestamp(us)": 1, "timestamp(ms)": 1000}
-# Epoch values beyond year 9999 are garbage, not timestamps; the bound also keeps the unit
-# conversion from overflowing.
-_MAX_EPOCH_MICROS = 253_402_300_799_999_999
+_RESERVED = {"key", "value", "topic"}
 
 
-def _epoch_micros(value: Column, micros_per_unit: int | None) -> Column:
-    """Epoch micros from an epoch number in the column's unit (None: nanoseconds)."""
-    if micros_per_unit is None:
-        micros = F.floor(value / 1000).cast("bigint")
-    else:
-        bound = _MAX_EPOCH_MICROS // micros_per_unit
-        micros = F.when(value.between(-bound, bound), value * micros_per_unit)
-    return F.when(micros.between(-_MAX_EPOCH_MICROS, _MAX_EPOCH_MICROS), micros)
+def _addable(name: str) -> bool:
+    return _ADDABLE.fullmatch(name) is not None
 
 
-def _typed(raw: Column, declared: str) -> Column:
-    """Converts one variant value to the declared type; null when it doesn't convert."""
-    kinds = _accepted(declared)
-    is_string = F.schema_of_variant(raw) == "STRING"
-    if declared.startswith("timestamp"):
-        unit = _MICROS_PER_UNIT.get(declared)  # None for timestamp(ns)
-        value = F.when(is_string, _get(raw, "$", "timestamp")).otherwise(
-            F.timestamp_micros(_epoch_micros(_get(raw, "$", "bigint"), unit))
+_ADDABLE = re.compile(r"(?!_cdc_)[A-Za-z_][A-Za-z0-9_]*", re.IGNORECASE)
+_JSON_TYPES = {"integer": "bigint", "number": "double", "boolean": "boolean", "string": "string"}
+
+
+# --- one record --------------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """The record can't be applied; the message is its reason."""
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """How one schema's (or the config's) row is decoded: a converter per plan column."""
+
+    converters: tuple[enc.Converter | enc.Mismatch, ...]
+    encodings: tuple[enc.Encoding, ...]
+    in_schema: tuple[bool, ...]  # the schema declares the column (always True without schema)
+    shape: SourceShape
+    key_converters: tuple[enc.Converter | enc.Mismatch, ...]
+
+
+class RecordDecoder:
+    """Decodes Kafka records of one table (see the module docstring); one per Spark task."""
+
+    def __init__(self, plan: DecodePlan) -> None:
+        self.plan = plan
+        self._names = [name for name, _ in plan.columns]
+        self._index = {name: n for n, name in enumerate(self._names)}
+        self._pk_index = [self._index[k] for k in plan.primary_key]
+        self._toasted_index = [self._index[c] for c in plan.toasted]
+        self._configured = self._row_plan(None)
+        # Plans by the exact text of a record's (or key's) Connect schema.
+        self._by_schema: dict[bytes, _RowPlan] = {}
+        self._by_key_schema: dict[bytes, _RowPlan] = {}
+        # What the last record's row told of the source's columns (`SourceShape`, or column →
+        # JSON kind without a schema); None for records that carry no row.
+        self.seen: SourceShape | dict[str, str] | None = None
+
+    # -- plans --
+
+    def _row_plan(self, row_schema: Mapping[str, Any] | None) -> _RowPlan:
+        plan = self.plan
+        fields = {}
+        if row_schema is not None:
+            fields = {
+                f.get("field"): f for f in row_schema.get("fields") or () if isinstance(f, dict)
+            }
+        converters, encodings, in_schema = [], [], []
+        shape = SourceShape(schemas={row_schema is not None})
+        for (name, declared), configured in zip(plan.columns, plan.configured, strict=True):
+            if row_schema is None:
+                encoding, known = configured, True
+            else:
+                known = name in fields
+                encoding = enc.from_connect_schema(fields[name]) if known else configured
+            made = enc.converter(name, declared, encoding, from_schema=row_schema is not None)
+            converters.append(made)
+            encodings.append(encoding)
+            in_schema.append(known)
+            if isinstance(made, enc.Mismatch) and known and name not in plan.added:
+                shape.mismatches.setdefault(name, set()).add(made.reason)
+        if row_schema is not None:
+            for name, field_schema in fields.items():
+                encoding = enc.from_connect_schema(field_schema)
+                shape.fields[name] = {encoding.descriptor()}
+                if name not in self._index:
+                    shape.types[name] = {enc.suggested_type(encoding) or ""}
+        return _RowPlan(
+            tuple(converters),
+            tuple(encodings),
+            tuple(in_schema),
+            shape,
+            key_converters=tuple(converters[i] for i in self._pk_index),
         )
-    elif declared == "date":
-        value = F.when(is_string, _get(raw, "$", "date")).otherwise(
-            F.date_from_unix_date(_get(raw, "$", "int"))
-        )
-    else:
-        value = _get(raw, "$", declared)
-    return F.when(F.schema_of_variant(raw).rlike(f"^({kinds})$"), value)
+
+    def _parse(self, value: bytes) -> tuple[_RowPlan, Any]:
+        """The row plan and the envelope of a record's value."""
+        # A schema seen before: parse only the payload (the schema is most of the bytes).
+        prefix = _schema_prefix(value)
+        plan = self._by_schema.get(prefix) if prefix is not None else None
+        if plan is not None:
+            try:
+                return plan, json.loads(
+                    value[len(_SCHEMA_PREFIX) + len(prefix) + len(_PAYLOAD_SEPARATOR) : -1]
+                )
+            except ValueError:
+                pass  # the whole value decides below, and names the problem
+        try:
+            document = json.loads(value)
+        except (ValueError, UnicodeDecodeError):
+            raise _Bad("value is not valid JSON") from None
+        if not _is_wrapped(document):
+            return self._configured, document
+        row_schema = _row_schema(document["schema"])
+        plan = self._row_plan(row_schema if row_schema is not None else {})
+        exact = _schema_text(value)
+        if exact is not None and len(self._by_schema) < 256:
+            self._by_schema[exact] = plan
+        return plan, document["payload"]
+
+    # -- records --
+
+    def decode(
+        self, key: bytes | None, value: bytes | None, headers: list | None
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """One record → (column values, metadata); raises `_Bad` with the reason."""
+        plan = self.plan
+        if len(value) > plan.max_record_bytes:
+            raise _Bad(f"value is larger than max_record_bytes ({plan.max_record_bytes})")
+        row_plan, envelope = self._parse(value)
+        if not isinstance(envelope, dict):
+            raise _Bad("value is not a JSON object (a Debezium envelope)")
+        op = envelope.get("op")
+        if op is None:
+            raise _Bad("envelope has no 'op' field")
+        if op not in OPS:
+            raise _Bad("unknown op")
+        meta: dict[str, Any] = {"op": op, "moved_from": None}
+        meta["sequence"] = [_sequence_part(envelope, path, kind) for path, kind in plan.sequence]
+        meta["source_ts"] = _source_micros(envelope)
+        values: list[Any] = [None] * len(self._names)
+        has: list[bool] = [False] * len(plan.toasted)
+        meta["has"] = has
+        if op == TRUNCATE:
+            return values, meta
+        if op == "d":
+            self._delete_row(row_plan, envelope.get("before"), key, values)
+        else:
+            self._change_row(row_plan, envelope.get("after"), values, has)
+        self._check_kafka_key(row_plan, key, values)
+        if op != "d" and plan.toasted and headers:
+            meta["moved_from"] = self._moved_from(row_plan, headers)
+        return values, meta
+
+    def _change_row(self, row_plan: _RowPlan, row: Any, values: list, has: list) -> None:
+        plan = self.plan
+        if not isinstance(row, dict):
+            raise _Bad("change without 'after' row")
+        # What the source sent, noted before any value fails: schema drift counts error rows too.
+        if row_plan.shape.schemas == {True}:
+            self.seen = row_plan.shape
+        else:
+            self.seen = {name: enc.json_kind(v) for name, v in row.items()}
+        for pk in plan.primary_key:
+            if row.get(pk) is None:
+                raise _Bad(f"primary key column '{pk}' is missing or invalid")
+        toasted = set(self._toasted_index)
+        for n, (name, _) in enumerate(plan.columns):
+            if name not in row:
+                if name in plan.added:
+                    continue  # a column the mirror gained: an older change may lack it
+                raise _Bad(f"column '{name}' is missing from 'after'")
+            raw = row[name]
+            if raw is None:
+                if n in toasted:
+                    has[plan.toasted.index(name)] = True
+                continue
+            if _is_unavailable(raw, row_plan.encodings[n]):
+                if n not in toasted:
+                    raise _Bad(
+                        f"column '{name}' holds Debezium's unavailable-value placeholder; "
+                        "list it under toasted_columns"
+                    )
+                continue
+            if n in toasted:
+                has[plan.toasted.index(name)] = True
+            values[n] = _convert(row_plan.converters[n], raw)
+
+    def _delete_row(self, row_plan: _RowPlan, before: Any, key: bytes | None, values: list) -> None:
+        plan = self.plan
+        before = before if isinstance(before, dict) else {}
+        for n, (name, _) in enumerate(plan.columns):
+            raw = before.get(name)
+            if raw is None or _is_unavailable(raw, row_plan.encodings[n]):
+                continue
+            try:
+                values[n] = _convert(row_plan.converters[n], raw)
+            except _Bad:
+                values[n] = None  # a delete needs only its key
+        missing = [
+            pk for pk, n in zip(plan.primary_key, self._pk_index, strict=True) if values[n] is None
+        ]
+        if missing:
+            from_key = self._key_values(key)
+            for pk in missing:
+                n = self._index[pk]
+                values[n] = from_key.get(pk)
+                if values[n] is None:
+                    raise _Bad(f"primary key column '{pk}' is missing or invalid")
+
+    def _key_values(self, key: bytes | None) -> dict[str, Any]:
+        """The primary key values a JSON Kafka key names (converted), {} when it names none.
+
+        A wrapped key is read in its own schema's encodings (a precise numeric key is base64).
+        """
+        if key is None:
+            return {}
+        try:
+            document = json.loads(key)
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        key_plan = self._configured
+        if _is_wrapped(document):
+            key_plan = self._key_plan(key, document["schema"])
+            document = document["payload"]
+        if not isinstance(document, dict):
+            return {}
+        found = {}
+        for pk, n in zip(self.plan.primary_key, self._pk_index, strict=True):
+            raw = document.get(pk)
+            if raw is None:
+                continue
+            try:
+                found[pk] = _convert(key_plan.converters[n], raw)
+            except _Bad:
+                continue
+        return found
+
+    def _key_plan(self, key: bytes, schema: Any) -> _RowPlan:
+        cached = _schema_prefix(key)
+        plan = self._by_key_schema.get(cached) if cached is not None else None
+        if plan is None:
+            plan = self._row_plan(schema if isinstance(schema, dict) else {})
+            exact = _schema_text(key)
+            if exact is not None and len(self._by_key_schema) < 256:
+                self._by_key_schema[exact] = plan
+        return plan
+
+    def _check_kafka_key(self, row_plan: _RowPlan, key: bytes | None, values: list) -> None:
+        # Debezium keys the record by the row's primary key; a key naming another row means the
+        # record was routed or rewritten wrongly, and applying it could hit either row.
+        for pk, in_key in self._key_values(key).items():
+            if in_key != values[self._index[pk]]:
+                raise _Bad(f"the Kafka key's '{pk}' differs from the row's primary key")
+
+    def _moved_from(self, row_plan: _RowPlan, headers: list) -> dict[str, Any] | None:
+        for header in headers:
+            if header.get("key") == OLD_KEY_HEADER and header.get("value") is not None:
+                old = self._key_values(header["value"])
+                if len(old) != len(self.plan.primary_key):
+                    raise _Bad(
+                        f"the '{OLD_KEY_HEADER}' header of a primary-key update does not name "
+                        "the old key as JSON; keep Kafka Connect's default header converter"
+                    )
+                return old
+        return None
+
+    # -- batches --
+
+    def decode_batch(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Decodes a batch of Kafka rows (key, value, topic, partition, offset, timestamp and,
+        optionally, headers) into the frame `DecodePlan.spark_schema` describes."""
+        plan = self.plan
+        count, width = batch.num_rows, len(self._names)
+        keys = batch.column("key").to_pylist()
+        raw = batch.column("value").to_pylist()
+        partitions = batch.column("partition").to_pylist()
+        offsets = batch.column("offset").to_pylist()
+        names = batch.schema.names
+        headers = batch.column("headers").to_pylist() if "headers" in names else [None] * count
+        columns: list[list] = [[] for _ in range(width)]
+        out_keys, out_values, ops, sequences, source_ts, errors = [], [], [], [], [], []
+        has_columns: list[list] = [[] for _ in plan.toasted]
+        moved: list = []
+        shape, json_kinds = SourceShape(), {}
+        no_values, no_flags = [None] * width, [False] * len(plan.toasted)
+        parts = [path.replace(".", "_") for path, _ in plan.sequence]
+        for i in range(count):
+            value, values, meta, error = raw[i], no_values, {}, None
+            self.seen = None
+            if value is not None:
+                try:
+                    values, meta = self.decode(keys[i], value, headers[i])
+                except _Bad as exc:
+                    error, values, meta = str(exc), no_values, {}
+            for n in range(width):
+                columns[n].append(values[n])
+            ops.append(meta.get("op"))
+            sequence = meta.get("sequence")
+            if sequence is None:
+                sequences.append(None)
+            else:
+                entry = dict(zip(parts, sequence, strict=True))
+                entry["kafka_partition"], entry["kafka_offset"] = partitions[i], offsets[i]
+                sequences.append(entry)
+            source_ts.append(meta.get("source_ts"))
+            errors.append(error)
+            for n, flag in enumerate(meta.get("has") or no_flags):
+                has_columns[n].append(flag)
+            moved.append(meta.get("moved_from"))
+            keep = error is not None or plan.keep_raw
+            out_keys.append(keys[i] if keep else None)
+            out_values.append(value if keep else None)
+            if isinstance(self.seen, SourceShape):
+                shape.merge(self.seen)
+            elif self.seen:
+                for name, kind in self.seen.items():
+                    json_kinds.setdefault(name, set()).add(kind)
+        self._add_json_kinds(shape, json_kinds)
+        schema = arrow_schema(plan)
+        shapes = [None] * count
+        if count and (shape.schemas or shape.fields):
+            shapes[0] = shape.to_json()
+        tombstones = batch.column("value").is_null()
+        arrays = [
+            pa.array(out_keys, pa.binary()),
+            pa.array(out_values, pa.binary()),
+            batch.column("topic").cast(pa.string()),
+            *[
+                pa.array(values, schema.field(name).type)
+                for (name, _), values in zip(plan.columns, columns, strict=True)
+            ],
+            pa.array(ops, pa.string()),
+            pa.array(sequences, schema.field(SEQUENCE).type),
+            pa.array(source_ts, pa.timestamp("us", tz="UTC")),
+            batch.column("partition").cast(pa.int32()),
+            batch.column("offset").cast(pa.int64()),
+            batch.column("timestamp").cast(pa.timestamp("us", tz="UTC")),
+            pa.array([plan.hour_key] * count, pa.string()),
+            pa.array([op == "d" for op in ops], pa.bool_()),
+            pa.array(errors, pa.string()),
+            tombstones,
+            *[pa.array(flags, pa.bool_()) for flags in has_columns],
+            *([pa.array(moved, schema.field(MOVED_FROM).type)] if plan.toasted else []),
+            pa.array(shapes, pa.string()),
+        ]
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    def _add_json_kinds(self, shape: SourceShape, json_kinds: dict[str, set[str]]) -> None:
+        """Schema-less records: what their JSON kinds say of each column."""
+        if not json_kinds:
+            return
+        shape.schemas.add(False)
+        for name, kinds in json_kinds.items():
+            shape.fields.setdefault(name, set()).update(f"json:{k}" for k in kinds)
+            if name not in self._index:
+                types = {_JSON_TYPES.get(k, f"{k} (declare it)") for k in kinds if k != "null"}
+                shape.types.setdefault(name, set()).update(types)
+            elif name not in self.plan.added:
+                configured = self.plan.configured[self._index[name]]
+                wrong = {k for k in kinds if k != "null" and k not in _json_kind_of(configured)}
+                if wrong:
+                    declared = self.plan.columns[self._index[name]][1]
+                    shape.mismatches.setdefault(name, set()).add(
+                        f"column '{name}' ({declared}) arrives as JSON "
+                        f"{'/'.join(sorted(wrong))}, but the table's config reads it as "
+                        f"{configured.describe()}"
+                    )
 
 
-def _unwrap(document: Column) -> Column:
-    """The payload of a Kafka Connect schema/payload wrapper, or the document itself."""
-    payload = _get(document, "$.payload", "variant")
-    return F.when(payload.isNotNull() & _present(document, "$.schema"), payload).otherwise(document)
+def _json_kind_of(encoding: enc.Encoding) -> set[str]:
+    """The JSON kinds a configured encoding's values arrive as."""
+    if encoding.type == "array":
+        return {"array"}
+    if encoding.type == "struct":
+        return {"object"}
+    if encoding.type in ("int8", "int16", "int32", "int64"):
+        return {"integer"}
+    if encoding.type in ("float32", "float64"):
+        return {"number", "integer"}
+    if encoding.type == "boolean":
+        return {"boolean"}
+    return {"string"}
+
+
+def _row_schema(schema: Any) -> Mapping[str, Any] | None:
+    """The struct schema of the envelope's `after` (else `before`) row."""
+    if not isinstance(schema, dict):
+        return None
+    rows = {
+        f.get("field"): f
+        for f in schema.get("fields") or ()
+        if isinstance(f, dict) and f.get("field") in ("before", "after")
+    }
+    return rows.get("after") or rows.get("before")
+
+
+def _is_wrapped(document: Any) -> bool:
+    """Whether a parsed record is Kafka Connect's JSON {"schema": ..., "payload": ...}."""
+    return (
+        isinstance(document, dict)
+        and len(document) == 2
+        and "schema" in document
+        and "payload" in document
+    )
+
+
+def _schema_prefix(value: bytes) -> bytes | None:
+    """The bytes of a wrapped record up to its first ',"payload":' (unverified).
+
+    Only looked up among exact schema texts (`_schema_text`): a complete JSON object can't be
+    a proper prefix of another one starting at the same brace, so a hit is the record's schema.
+    """
+    if not (value.startswith(_SCHEMA_PREFIX) and value.endswith(b"}")):
+        return None
+    cut = value.find(_PAYLOAD_SEPARATOR, len(_SCHEMA_PREFIX))
+    return value[len(_SCHEMA_PREFIX) : cut] if cut > 0 else None
+
+
+def _schema_text(value: bytes) -> bytes | None:
+    """The raw bytes of a wrapped record's schema, when they can be told exactly."""
+    if not value.startswith(_SCHEMA_PREFIX):
+        return None
+    try:
+        text = value.decode("utf-8")
+        _, end = json.JSONDecoder().raw_decode(text, len(_SCHEMA_PREFIX))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not text.startswith(_PAYLOAD_SEPARATOR.decode(), end):
+        return None
+    return text[len(_SCHEMA_PREFIX) : end].encode("utf-8")
+
+
+def _is_unavailable(raw: Any, encoding: enc.Encoding) -> bool:
+    """Whether `raw` is Debezium's placeholder, as the column's encoding renders it."""
+    if encoding.type == "bytes" or encoding.name == enc.BASE64_TEXT:
+        return raw == _UNAVAILABLE_BASE64 or raw == UNAVAILABLE
+    if encoding.name == enc.HEX_TEXT:
+        return raw == _UNAVAILABLE_HEX or raw == UNAVAILABLE
+    if encoding.type == "array":
+        return type(raw) is list and len(raw) == 1 and raw[0] == UNAVAILABLE
+    return raw == UNAVAILABLE
+
+
+def _convert(converter: enc.Converter | enc.Mismatch, raw: Any) -> Any:
+    if isinstance(converter, enc.Mismatch):
+        raise _Bad(converter.reason)
+    try:
+        return converter(raw)
+    except enc.DecodeError as exc:
+        raise _Bad(str(exc)) from None
+
+
+def _sequence_part(envelope: dict, path: str, kind: str) -> int | str:
+    node: Any = envelope
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if kind == "bigint" and type(node) is int and -(2**63) <= node < 2**63:
+        return node
+    if kind == "string" and type(node) is str:
+        return node
+    if kind == "binlog" and type(node) is str:
+        number = node.rpartition(".")[2]
+        if number.isdigit() and number.isascii() and len(number) < 19:
+            return int(number)
+    expected = {"bigint": "a bigint", "string": "a string", "binlog": "a binlog file name"}[kind]
+    raise _Bad(f"sequence field '{path}' is missing or not {expected}")
+
+
+def _source_micros(envelope: dict) -> int | None:
+    """`source.ts_ms` in microseconds; None when absent or outside years 1–9999."""
+    source = envelope.get("source")
+    millis = source.get("ts_ms") if isinstance(source, dict) else None
+    if type(millis) is not int or not -62_135_596_800_000 <= millis <= 253_402_300_799_999:
+        return None
+    return millis * 1000
+
+
+# --- Arrow and Spark ----------------------------------------------------------------------------
+
+
+def spark_data_type(declared: str) -> T.DataType:
+    """The Spark type a declared column is stored as (`encodings.spark_type`)."""
+    item = enc.array_item(declared)
+    if item is not None:
+        return T.ArrayType(spark_data_type(item))
+    shape = enc.decimal_shape(declared)
+    if shape is not None:
+        return T.DecimalType(*shape)
+    return {
+        "string": T.StringType(),
+        "time": T.StringType(),
+        "boolean": T.BooleanType(),
+        "int": T.IntegerType(),
+        "bigint": T.LongType(),
+        "double": T.DoubleType(),
+        "float": T.FloatType(),
+        "timestamp": T.TimestampType(),
+        "date": T.DateType(),
+        "binary": T.BinaryType(),
+    }[declared]
+
+
+def arrow_type(declared: str) -> pa.DataType:
+    item = enc.array_item(declared)
+    if item is not None:
+        return pa.list_(arrow_type(item))
+    shape = enc.decimal_shape(declared)
+    if shape is not None:
+        return pa.decimal128(*shape)
+    return {
+        "string": pa.string(),
+        "time": pa.string(),
+        "boolean": pa.bool_(),
+        "int": pa.int32(),
+        "bigint": pa.int64(),
+        "double": pa.float64(),
+        "float": pa.float32(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+        "date": pa.date32(),
+        "binary": pa.binary(),
+    }[declared]
+
+
+def arrow_schema(plan: DecodePlan) -> pa.Schema:
+    declared = plan.declared
+    sequence = pa.struct(
+        [
+            pa.field(path.replace(".", "_"), pa.string() if kind == "string" else pa.int64())
+            for path, kind in plan.sequence
+        ]
+        + [pa.field("kafka_partition", pa.int32()), pa.field("kafka_offset", pa.int64())]
+    )
+    key = pa.struct([pa.field(k, arrow_type(declared[k])) for k in plan.primary_key])
+    return pa.schema(
+        [
+            pa.field("key", pa.binary()),
+            pa.field("value", pa.binary()),
+            pa.field("topic", pa.string()),
+            *[pa.field(name, arrow_type(d)) for name, d in plan.columns],
+            pa.field(OP, pa.string()),
+            pa.field(SEQUENCE, sequence),
+            pa.field(SOURCE_TS, pa.timestamp("us", tz="UTC")),
+            pa.field(KAFKA_PARTITION, pa.int32()),
+            pa.field(KAFKA_OFFSET, pa.int64()),
+            pa.field(KAFKA_TIMESTAMP, pa.timestamp("us", tz="UTC")),
+            pa.field(HOUR, pa.string()),
+            pa.field(DELETED, pa.bool_()),
+            pa.field(ERROR, pa.string()),
+            pa.field(TOMBSTONE, pa.bool_()),
+            *[pa.field(has_value(c), pa.bool_()) for c in plan.toasted],
+            *([pa.field(MOVED_FROM, key)] if plan.toasted else []),
+            pa.field(SHAPE, pa.string()),
+        ]
+    )
+
+
+_INPUT_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp", "headers")
 
 
 def decode(
@@ -246,166 +828,23 @@ def decode(
     hour_key: str,
     added_columns: Mapping[str, str] | None = None,
 ) -> DataFrame:
-    """Decodes the Kafka records of one slice.
+    """Decodes the Kafka records of one slice in Spark's Python workers.
 
-    Returns one row per record: the source columns, the `_cdc_*` metadata columns, and
-    `_cdc_error` (null when the change can be applied) and `_cdc_is_tombstone`. The raw
-    `key`/`value` bytes and Kafka coordinates stay on the row for the error table.
+    Returns one row per record: the source columns, the `_cdc_*` metadata columns, `_cdc_error`
+    (null when the change can be applied) and `_cdc_is_tombstone`. The raw `key`/`value` bytes
+    are kept on error rows only (every row's when hard expectations may hold a change back),
+    for the error table. `SHAPE` is set on the first row of each
+    batch (see `SourceShape`).
 
     `added_columns` (name → type) are source columns the mirror gained without a declaration
     (`added_column_types`): a change may lack one (null), but a value must convert to its type.
     """
-    added = dict(added_columns or {})
-    # An oversized value is not parsed: it goes to the error table as it is.
-    small = F.octet_length(F.col("value")) <= spec.max_record_bytes
-    parsed = F.try_parse_json(F.when(small, F.col("value")).cast("string"))
-    envelope = _unwrap(parsed)
-    op = _get(envelope, "$.op", "string")
-    row = F.when(op == "d", _get(envelope, "$.before", "variant")).otherwise(
-        _get(envelope, "$.after", "variant")
-    )
+    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns)
 
-    frame = records.select(
-        "key",
-        "value",
-        "topic",
-        F.col("partition").alias(KAFKA_PARTITION),
-        F.col("offset").alias(KAFKA_OFFSET),
-        F.col("timestamp").alias("_cdc_kafka_timestamp"),
-        parsed.alias("_parsed"),
-        envelope.alias("_envelope"),
-        op.alias(OP),
-        row.alias("_row"),
-        _unwrap(F.try_parse_json(F.col("key").cast("string"))).alias("_key"),
-    )
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        decoder = RecordDecoder(plan)
+        for batch in batches:
+            yield decoder.decode_batch(batch)
 
-    env, data, key = F.col("_envelope"), F.col("_row"), F.col("_key")
-    is_delete = F.col(OP) == "d"
-    # A truncate names no row: it needs only its sequence (hour_run applies or refuses it).
-    has_row = F.col(OP) != TRUNCATE
-    values = {}
-    for column, declared in spec.columns.items():
-        value = _typed(_get(data, _field(column), "variant"), declared)
-        if column in spec.primary_key:
-            # A delete's before-image may lack the key (or be null); the Kafka key holds it.
-            from_key = _typed(_get(key, _field(column), "variant"), declared)
-            value = F.when(is_delete, F.coalesce(value, from_key)).otherwise(value)
-        values[column] = value.cast(spark_type(declared))
-    sequence_parts = [
-        _get(env, f"$.{part.field}", part.type).alias(part.struct_name) for part in spec.sequence
-    ]
-
-    reasons = [
-        (
-            F.octet_length(F.col("value")) > spec.max_record_bytes,
-            F.lit(f"value is larger than max_record_bytes ({spec.max_record_bytes})"),
-        ),
-        (F.col("_parsed").isNull(), F.lit("value is not valid JSON")),
-        (F.col(OP).isNull(), F.lit("envelope has no 'op' field")),
-        (~F.col(OP).isin(*OPS), F.lit("unknown op")),
-        (
-            has_row & ~is_delete & (data.isNull() | F.is_variant_null(data)),
-            F.lit("change without 'after' row"),
-        ),
-    ]
-    for part in spec.sequence:
-        reasons.append(
-            (
-                _get(env, f"$.{part.field}", part.type).isNull(),
-                F.lit(f"sequence field '{part.field}' is missing or not a {part.type}"),
-            )
-        )
-    for column in spec.primary_key:
-        reasons.append(
-            (
-                has_row & values[column].isNull(),
-                F.lit(f"primary key column '{column}' is missing or invalid"),
-            )
-        )
-    for column in spec.primary_key:
-        # Debezium keys the record by the row's primary key; a key naming another row means
-        # the record was routed or rewritten wrongly, and applying it could hit either row.
-        in_key = _typed(_get(key, _field(column), "variant"), spec.columns[column])
-        reasons.append(
-            (
-                has_row & in_key.isNotNull() & (in_key != values[column]),
-                F.lit(f"the Kafka key's '{column}' differs from the row's primary key"),
-            )
-        )
-    # Columns the mirror gained: a change may lack one, but a value must convert.
-    for column, declared in added.items():
-        values[column] = _typed(_get(data, _field(column), "variant"), declared).cast(
-            spark_type(declared)
-        )
-        reasons.append(
-            (
-                has_row & ~is_delete & _present(data, _field(column)) & values[column].isNull(),
-                F.lit(f"column '{column}' does not convert to {declared}"),
-            )
-        )
-    # A toasted column's placeholder means "unchanged": no value, and no error.
-    placeholder, available = {}, {}
-    for column in spec.columns:
-        raw = _get(data, _field(column), "variant")
-        placeholder[column] = F.coalesce(
-            (F.schema_of_variant(raw) == "STRING") & (_get(raw, "$", "string") == UNAVAILABLE),
-            F.lit(False),
-        )
-    for column in spec.toasted_columns:
-        values[column] = F.when(~placeholder[column], values[column])
-        available[column] = has_row & ~is_delete & ~placeholder[column]
-    # A delete needs only its key and sequence; a change must carry every declared column.
-    for column, declared in spec.columns.items():
-        raw = _get(data, _field(column), "variant")
-        changes_row = has_row & ~is_delete
-        reasons.append(
-            (changes_row & raw.isNull(), F.lit(f"column '{column}' is missing from 'after'"))
-        )
-        if column not in spec.toasted_columns:
-            reasons.append(
-                (
-                    changes_row & placeholder[column],
-                    F.lit(
-                        f"column '{column}' holds Debezium's unavailable-value placeholder; "
-                        "list it under toasted_columns"
-                    ),
-                )
-            )
-        reasons.append(
-            (
-                changes_row
-                & ~placeholder[column]
-                & _present(data, _field(column))
-                & values[column].isNull(),
-                F.lit(f"column '{column}' does not convert to {declared}"),
-            )
-        )
-
-    error = F.lit(None).cast("string")
-    for condition, reason in reversed(reasons):
-        error = F.when(condition, reason).otherwise(error)
-    is_tombstone = F.col("value").isNull()
-    source_ts = _epoch_micros(_get(env, "$.source.ts_ms", "bigint"), 1000)
-
-    return frame.select(
-        "key",
-        "value",
-        "topic",
-        *[values[column].alias(column) for column in [*spec.columns, *added]],
-        F.col(OP),
-        data.alias(ROW),
-        F.struct(
-            *sequence_parts,
-            F.col(KAFKA_PARTITION).alias("kafka_partition"),
-            F.col(KAFKA_OFFSET).alias("kafka_offset"),
-        ).alias(SEQUENCE),
-        F.timestamp_micros(source_ts).alias(SOURCE_TS),
-        F.col(KAFKA_PARTITION),
-        F.col(KAFKA_OFFSET),
-        F.col("_cdc_kafka_timestamp"),
-        F.lit(hour_key).alias(HOUR),
-        (F.col(OP) == "d").alias(DELETED),
-        F.when(is_tombstone, F.lit(None)).otherwise(error).alias(ERROR),
-        is_tombstone.alias(TOMBSTONE),
-        *[available[c].alias(has_value(c)) for c in spec.toasted_columns],
-    )
+    present = [c for c in _INPUT_COLUMNS if c in records.columns]
+    return records.select(*present).mapInArrow(run, plan.spark_schema())

@@ -14,6 +14,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets import toast
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
     ERROR,
@@ -21,16 +22,18 @@ from cdc_assets.decode import (
     KAFKA_PARTITION,
     OP,
     SEQUENCE,
+    SHAPE,
     SOURCE_TS,
     TOMBSTONE,
     TRUNCATE,
+    SourceShape,
     added_column_types,
     decode,
-    source_kinds,
 )
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import (
     added_columns,
+    current_version,
     hour_history,
     latest_per_key,
     merge_changes,
@@ -77,8 +80,8 @@ class HourResult:
     merge_version: int | None = None
     # The previous hour's recorded end offsets when this hour ran; None: no run on record.
     previous_end: dict[int, int] | None = None
-    # Column → JSON kind of the rows the source sent (`schema_of_variant` names).
-    source_fields: dict[str, str] = field(default_factory=dict)
+    # What the hour's records told of the source's columns (encodings, mismatches, new ones).
+    source_fields: SourceShape = field(default_factory=SourceShape)
     # The hard expectations' verdict; None when the table declares none.
     audit: Audit | None = None
 
@@ -217,7 +220,9 @@ def run_hour(
     # only the hour a column first appears pays that second read).
     added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
     decoded = decoded_with(added)
-    source_fields = source_kinds(decoded)
+    source_fields = SourceShape.combine(
+        row[SHAPE] for row in decoded.where(F.col(SHAPE).isNotNull()).select(SHAPE).collect()
+    )
     new = added_column_types(source_fields, [*spec.columns, *added])
     if spec.new_columns == "add" and new:
         decoded.unpersist()
@@ -320,6 +325,10 @@ def run_hour(
                 if totals[f"_low_{k}"] is not None
             },
         )
+        version = outcome.version if outcome.version is not None else last_version
+        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
+        if toast.resolve_moves(spark, spec, path):
+            version = current_version(spark, path)
     finally:
         decoded.unpersist()
         if audited is not None:
@@ -344,7 +353,7 @@ def run_hour(
         rows_inserted=outcome.rows_inserted,
         rows_updated=outcome.rows_updated,
         rows_deleted=outcome.rows_deleted,
-        delta_version=outcome.version if outcome.version is not None else last_version,
+        delta_version=version,
         partial=not hour_slice.closed,
         newest_source_ts=datetime.fromtimestamp(newest / 1000, UTC) if newest else None,
         finished_at=datetime.now(UTC),

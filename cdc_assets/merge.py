@@ -28,6 +28,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets import toast
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
     DELETED,
@@ -39,8 +40,6 @@ from cdc_assets.decode import (
     OP,
     SEQUENCE,
     SOURCE_TS,
-    has_value,
-    value_sequence,
 )
 
 log = logging.getLogger(__name__)
@@ -129,30 +128,22 @@ class MergeOutcome:
 
 
 def mirror_columns(spec: TableSpec) -> list[str]:
-    toasted = [value_sequence(c) for c in spec.toasted_columns]
-    return [*spec.columns, *METADATA_COLUMNS, DELETED, *toasted]
+    return [*spec.columns, *METADATA_COLUMNS, DELETED, *toast.mirror_columns(spec)]
 
 
 def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
     """The newest change of each primary key in the slice (one aggregation, no sort).
 
-    A toasted column takes the newest value among the key's changes that carried one, with
-    that change's sequence (null when none did).
+    Toasted columns follow their own rule (`cdc_assets/toast.py`).
     """
-    toasted = spec.toasted_columns
-    sequences = {value_sequence(c) for c in toasted}
-    columns = [c for c in mirror_columns(spec) if c != INGESTED_AT and c not in sequences]
-    newest = F.max_by(F.struct(*[F.col(c) for c in columns]), F.col(SEQUENCE))
-    carried = {c: F.when(F.col(has_value(c)), F.col(SEQUENCE)) for c in toasted}
-    toasts = [F.max_by(F.col(c), carried[c]).alias(f"_value_{c}") for c in toasted]
-    toasts += [F.max(carried[c]).alias(value_sequence(c)) for c in toasted]
+    toasted = set(spec.toasted_columns)
+    row = [c for c in [*spec.columns, *METADATA_COLUMNS, DELETED] if c != INGESTED_AT]
+    newest = F.max_by(F.struct(*[F.col(c) for c in row if c not in toasted]), F.col(SEQUENCE))
+    aggregates, toasts = toast.batch_columns(spec, changes)
     return (
         changes.groupBy(*spec.primary_key)
-        .agg(newest.alias("_newest"), *toasts)
-        .select(
-            *[F.col(f"_value_{c}" if c in toasted else f"_newest.{c}").alias(c) for c in columns],
-            *[F.col(value_sequence(c)) for c in toasted],
-        )
+        .agg(newest.alias("_newest"), *aggregates)
+        .select(*[F.col(f"_newest.{c}").alias(c) for c in row if c not in toasted], *toasts)
     )
 
 
@@ -176,7 +167,7 @@ def ensure_mirror_table(
 ) -> DeltaTable:
     """Creates the mirror (change data feed on) the first time; new columns come via MERGE.
 
-    The sequence columns of toasted columns are added first if the table predates them,
+    The columns of the toasted-value rule are added first if the table predates them,
     because the MERGE reads them from the table.
     """
     schema = changes.schema
@@ -190,9 +181,9 @@ def ensure_mirror_table(
     )
     stored = {f.name.lower() for f in table.toDF().schema}
     missing = [
-        f"`{value_sequence(c)}` {schema[value_sequence(c)].dataType.simpleString()}"
-        for c in spec.toasted_columns
-        if value_sequence(c).lower() not in stored
+        f"`{name}` {schema[name].dataType.simpleString()}"
+        for name in toast.mirror_columns(spec)
+        if name.lower() not in stored
     ]
     if missing:
         quoted = path.replace("`", "``")
@@ -276,25 +267,16 @@ def _merge_once(
             on = on & (target >= F.lit(low)) & (target <= F.lit(high))
     newer = f"s.`{SEQUENCE}` > t.`{SEQUENCE}`"
     inserted = {c: f"s.`{c}`" for c in mirror_columns(spec)}
-    # A toasted column takes the source's value only when it is newer than the stored one's,
-    # even from a change that is stale for the row (an older hour run later fills it in).
-    fills, filled = [], {}
-    for c in spec.toasted_columns:
-        ours, theirs = F.col(f"s.`{value_sequence(c)}`"), F.col(f"t.`{value_sequence(c)}`")
-        fill = ours.isNotNull() & (theirs.isNull() | (ours > theirs))
-        fills.append(fill)
-        filled[c] = F.when(fill, F.col(f"s.`{c}`")).otherwise(F.col(f"t.`{c}`"))
-        filled[value_sequence(c)] = F.when(fill, ours).otherwise(theirs)
+    # Toasted values and moves follow their own rule, even from a change stale for the row (an
+    # older hour run later fills a value in).
+    filled, fill = toast.merge_sets(spec)
     everything = {**inserted, **filled}
     merge = table.alias("t").merge(source.alias("s"), on).withSchemaEvolution()
     if spec.delete_mode == "hard":
         merge = merge.whenMatchedDelete(condition=f"{newer} AND s.`{OP}` = 'd'")
     merge = merge.whenMatchedUpdate(condition=newer, set=everything)
-    if fills:
-        any_fill = fills[0]
-        for fill in fills[1:]:
-            any_fill = any_fill | fill
-        merge = merge.whenMatchedUpdate(condition=any_fill, set=filled)
+    if filled:
+        merge = merge.whenMatchedUpdate(condition=fill, set=filled)
     if spec.delete_mode == "hard":
         merge = merge.whenNotMatchedInsert(condition=f"s.`{OP}` <> 'd'", values=inserted)
     else:
@@ -439,6 +421,11 @@ def _write_errors_once(
 def live_rows(spark: SparkSession, path: str) -> DataFrame:
     """The mirror as the source table looks: live rows, without the tombstones."""
     return spark.read.format("delta").load(path).where(~F.col(DELETED))
+
+
+def current_version(spark: SparkSession, path: str) -> int:
+    """The table's newest version."""
+    return DeltaTable.forPath(spark, path).history(1).select("version").first()["version"]
 
 
 def hour_history(spark: SparkSession, path: str) -> tuple[int | None, list[dict]]:

@@ -18,6 +18,14 @@ KAFKA_SCHEMA = T.StructType(
         T.StructField("offset", T.LongType()),
         T.StructField("timestamp", T.TimestampType()),
         T.StructField("timestampType", T.IntegerType()),
+        T.StructField(
+            "headers",
+            T.ArrayType(
+                T.StructType(
+                    [T.StructField("key", T.StringType()), T.StructField("value", T.BinaryType())]
+                )
+            ),
+        ),
     ]
 )
 
@@ -44,6 +52,8 @@ def read_slice(
         .option("startingOffsets", json.dumps({topic: {str(p.partition): p.start for p in parts}}))
         .option("endingOffsets", json.dumps({topic: {str(p.partition): p.end for p in parts}}))
         .option("failOnDataLoss", "true")
+        # Debezium names a moved row's old key in a header (__debezium.oldkey).
+        .option("includeHeaders", "true")
         .option("maxRecordsPerPartition", str(max_records_per_task))
         .load()
     )

@@ -10,11 +10,17 @@
 - continuity (I1): the hour starts, partition by partition, where the previous hour's recorded
   run ended. A gap (offsets read by no hour) or an overlap (offsets read twice) names the
   offsets. A partition the previous hour did not know must start at its log start.
+- changes_readable (I7): not every change of the hour went to the error table. An hour whose
+  every change is an error applied nothing: the table's config most likely doesn't match what
+  the connector sends (the top reason says how). Blocking by default, so the run fails loudly.
 - error_rate (I7): the share of the hour's records that went to the error table.
 - freshness: the newest source change in the mirror trails the hour's end (or now, for the
   current hour) by at most the table's allowed lag.
 - schema_drift: the columns the source sends in `after` against the declared ones: a column
-  that appeared, vanished, or arrives as a JSON kind the declared type does not accept.
+  that appeared, vanished, or arrives in an encoding its declared type can't hold (checked
+  against the connector's own Connect schema when the records carry one, else their JSON).
+- toasted_values (tables with toasted_columns): no live row holds an unknown unchanged TOASTed
+  value (`cdc_assets/toast.py`); such rows are flagged `_cdc_unknown__<column>`.
 - retention_risk (I6): the hour's start offsets are still in Kafka, and how long they stay
   there; an hour whose offsets are gone can no longer be replayed. A separate, partitioned
   check that reads the hour's recorded slice from the Delta log, so it can be re-run any time
@@ -36,7 +42,6 @@ from cdc_assets.config import (
     RetentionPolicy,
     TableSpec,
 )
-from cdc_assets.decode import kind_fits
 from cdc_assets.hour_run import HourResult, hour_start
 from resources.kafka import TopicRetention
 
@@ -47,6 +52,8 @@ ERROR_RATE = "error_rate"
 FRESHNESS = "freshness"
 SCHEMA_DRIFT = "schema_drift"
 RETENTION_RISK = "retention_risk"
+CHANGES_READABLE = "changes_readable"
+TOASTED_VALUES = "toasted_values"
 
 DESCRIPTIONS = {
     COMPLETE_HOUR: "The hour had closed when it was read: not a partial, forced-open hour (I5).",
@@ -56,9 +63,24 @@ DESCRIPTIONS = {
     FRESHNESS: "The newest source change in the mirror trails the hour's end by the allowed lag.",
     SCHEMA_DRIFT: "The source sends exactly the declared columns, with compatible types.",
     RETENTION_RISK: "Kafka still holds the hour's offsets long enough to replay it (I6).",
+    CHANGES_READABLE: "Not every change of the hour went to the error table (something applied).",
+    TOASTED_VALUES: "Live rows hold known values of their unchanged TOASTed columns.",
 }
 # Checks computed inside the asset's run, from what the run saw.
-RUN_CHECKS = (COMPLETE_HOUR, ACCOUNTING, CONTINUITY, ERROR_RATE, FRESHNESS, SCHEMA_DRIFT)
+RUN_CHECKS = (
+    COMPLETE_HOUR,
+    ACCOUNTING,
+    CONTINUITY,
+    CHANGES_READABLE,
+    ERROR_RATE,
+    FRESHNESS,
+    SCHEMA_DRIFT,
+)
+
+
+def run_checks(spec: TableSpec) -> tuple[str, ...]:
+    """The invariant checks a run of `spec` evaluates (toasted_values only where it applies)."""
+    return (*RUN_CHECKS, *((TOASTED_VALUES,) if spec.toasted_columns else ()))
 
 
 def _verdict(
@@ -89,7 +111,7 @@ def invariant_check_specs(
             blocking=getattr(spec.checks, name).blocking,
             description=DESCRIPTIONS[name],
         )
-        for name in RUN_CHECKS
+        for name in run_checks(spec)
     ]
 
 
@@ -240,28 +262,28 @@ def freshness_result(
 def schema_drift_result(
     result: HourResult, spec: TableSpec, policy: CheckPolicy
 ) -> dg.AssetCheckResult:
-    observed = result.source_fields
-    metadata: dict = {"source_columns": dg.MetadataValue.json(observed)}
+    shape = result.source_fields
+    observed = {column: sorted(kinds) for column, kinds in shape.fields.items()}
+    metadata: dict = {
+        "source_columns": dg.MetadataValue.json(observed),
+        "connect_schema": dg.MetadataValue.text(
+            {frozenset({True}): "yes", frozenset({False}): "no"}.get(
+                frozenset(shape.schemas), "mixed"
+            )
+        ),
+    }
     if not observed:
         note = "No insert, update or snapshot row in this hour to compare."
         return _verdict(SCHEMA_DRIFT, policy, [], metadata, note=note)
     appeared = sorted(set(observed) - set(spec.columns))
     vanished = sorted(set(spec.columns) - set(observed))
-    changed = {
-        column: f"{observed[column]} (declared {declared})"
-        for column, declared in spec.columns.items()
-        if column in observed and not kind_fits(declared, observed[column])
-    }
+    changed = {column: sorted(reasons) for column, reasons in sorted(shape.mismatches.items())}
     problems = []
     if appeared:
         problems.append(f"columns not in the tables file appeared: {', '.join(appeared)}")
     if vanished:
         problems.append(f"declared columns the source no longer sends: {', '.join(vanished)}")
-    if changed:
-        problems.append(
-            "columns arriving with another type: "
-            + ", ".join(f"{c} as {kind}" for c, kind in sorted(changed.items()))
-        )
+    problems += [reason for reasons in changed.values() for reason in reasons]
     return _verdict(
         SCHEMA_DRIFT,
         policy,
@@ -272,6 +294,50 @@ def schema_drift_result(
             "vanished": ", ".join(vanished),
             "type_changed": dg.MetadataValue.json(changed),
         },
+    )
+
+
+def changes_readable_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
+    """Fails when the hour had changes and every one of them went to the error table.
+
+    Such an hour applied nothing: most likely the table's config does not match what the
+    connector sends, and the top reason says how to fix it.
+    """
+    counts = result.counts
+    changes = counts.consumed - counts.tombstones
+    problems = []
+    if changes and counts.errors >= changes:
+        top = max(result.error_reasons.items(), key=lambda item: item[1], default=None)
+        problems.append(
+            f"all {changes} changes of hour {result.hour_key} went to the error table "
+            f"`{result.table}__errors`, nothing was applied"
+            + (f"; the most frequent reason ({top[1]}): {top[0]}" if top else "")
+        )
+    return _verdict(
+        CHANGES_READABLE,
+        policy,
+        problems,
+        {"changes": changes, "errors": counts.errors},
+        note=None if changes else "No change in this hour.",
+    )
+
+
+def toasted_values_result(
+    result: HourResult, policy: CheckPolicy, *, unknown: dict[str, int]
+) -> dg.AssetCheckResult:
+    """Live rows whose unchanged TOASTed value could not be carried over (flagged, not null)."""
+    problems = [
+        f"{count} live rows hold no known value of '{column}' (_cdc_unknown__{column} is true): "
+        "a change left it unchanged and no earlier value reached the mirror. Set the source "
+        "table's REPLICA IDENTITY FULL, or re-snapshot it"
+        for column, count in sorted(unknown.items())
+        if count
+    ]
+    return _verdict(
+        TOASTED_VALUES,
+        policy,
+        problems,
+        {f"unknown_{column}": count for column, count in sorted(unknown.items())},
     )
 
 

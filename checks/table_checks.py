@@ -22,19 +22,22 @@ from cdc_assets.config import TableSpec
 from cdc_assets.decode import SOURCE_TS
 from cdc_assets.hour_run import HourResult, recorded_offsets
 from cdc_assets.merge import hour_history
+from cdc_assets.toast import unknown_live_rows
 from checks.expectations import expectation_check_specs, table_expectations, validate_written
 from checks.invariants import (
     DESCRIPTIONS,
     RETENTION_RISK,
-    RUN_CHECKS,
     accounting_result,
+    changes_readable_result,
     complete_hour_result,
     continuity_result,
     error_rate_result,
     freshness_result,
     invariant_check_specs,
     retention_risk_result,
+    run_checks,
     schema_drift_result,
+    toasted_values_result,
 )
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
@@ -66,7 +69,7 @@ def run_check_specs(
 
 def run_check_names(spec: TableSpec) -> list[str]:
     """The names of `run_check_specs`: the checks every run of the asset evaluates."""
-    return [*RUN_CHECKS, *(e.name for e in table_expectations(spec))]
+    return [*run_checks(spec), *(e.name for e in table_expectations(spec))]
 
 
 def mirror_newest_source_ts(spark: SparkSession, path: str, version: int | None) -> datetime | None:
@@ -83,6 +86,16 @@ def mirror_newest_source_ts(spark: SparkSession, path: str, version: int | None)
     return None if newest is None else datetime.fromtimestamp(newest / 1e6, UTC)
 
 
+def toasted_unknown(
+    spark: SparkSession, path: str, spec: TableSpec, version: int | None
+) -> dict[str, int]:
+    """Live rows of the mirror at `version` whose toasted values are unknown, per column."""
+    if version is None:
+        return {}
+    mirror = spark.read.format("delta").option("versionAsOf", version).load(path)
+    return dict(unknown_live_rows(mirror, spec))
+
+
 def evaluate_run_checks(
     *, spark: SparkSession, spec: TableSpec, path: str, result: HourResult
 ) -> list[dg.AssetCheckResult]:
@@ -92,6 +105,7 @@ def evaluate_run_checks(
         complete_hour_result(result, policies.complete_hour),
         accounting_result(result, policies.accounting),
         continuity_result(result, policies.continuity),
+        changes_readable_result(result, policies.changes_readable),
         error_rate_result(result, policies.error_rate),
         freshness_result(
             result,
@@ -100,6 +114,14 @@ def evaluate_run_checks(
         ),
         schema_drift_result(result, spec, policies.schema_drift),
     ]
+    if spec.toasted_columns:
+        results.append(
+            toasted_values_result(
+                result,
+                policies.toasted_values,
+                unknown=toasted_unknown(spark, path, spec, result.delta_version),
+            )
+        )
     held_back = {}
     if result.audit is not None:
         held_back = {r.check_name: r for r in result.audit.check_results()}

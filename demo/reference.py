@@ -23,11 +23,12 @@ declared scale, tz-aware UTC datetime, date.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from cdc_assets.config import TableSpec
@@ -49,6 +50,8 @@ _TIMESTAMP_UNITS = {
 }
 
 Row = dict[str, Any]
+# (Connect type, logical name, decimal scale) of a column's encoding.
+Logical = tuple[str | None, str | None, int | None]
 ReplayError = tuple[int, int, str]
 
 
@@ -170,7 +173,7 @@ def _parse(
                 raise _Malformed(f"unavailable placeholder in column {col}")
             row[col] = _UNAVAILABLE  # unchanged: the value comes from an earlier change
         else:
-            row[col] = _convert(col, spark_type, raw.get(col), logical_types.get(col))
+            row[col] = _convert(col, spark_type, raw.get(col), logical_types.get(col), spec)
     _check_key(spec, row, kafka_key)
     return op, sequence, row
 
@@ -185,14 +188,14 @@ def _check_key(spec: TableSpec, row: Row, kafka_key: bytes | None) -> None:
         return  # not a JSON key: nothing to compare
     for col in spec.primary_key:
         try:
-            in_key = _convert(col, spec.columns[col], key_doc.get(col), None)
+            in_key = _convert(col, spec.columns[col], key_doc.get(col), None, spec)
         except _Malformed:
             continue
         if in_key is not None and in_key != row[col]:
             raise _Malformed(f"key mismatch: the Kafka key's {col} is not the row's")
 
 
-def _document(value: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+def _document(value: bytes) -> tuple[dict[str, Any], dict[str, Logical]]:
     """The envelope (unwrapped from schema/payload) and the columns' logical type names."""
     try:
         document = json.loads(value.decode("utf-8"), parse_constant=_reject_constant)
@@ -200,7 +203,7 @@ def _document(value: bytes) -> tuple[dict[str, Any], dict[str, str]]:
         raise _Malformed(f"invalid json: {exc}") from None
     if not isinstance(document, dict):
         raise _Malformed(f"invalid json: expected an object, got {type(document).__name__}")
-    logical_types: dict[str, str] = {}
+    logical_types: dict[str, Logical] = {}
     if "schema" in document and "payload" in document:
         logical_types = _logical_types(document["schema"])
         document = document["payload"]
@@ -210,7 +213,7 @@ def _document(value: bytes) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _delete_row(
-    spec: TableSpec, before: Any, kafka_key: bytes | None, logical_types: dict[str, str]
+    spec: TableSpec, before: Any, kafka_key: bytes | None, logical_types: dict[str, Logical]
 ) -> Row:
     """A delete needs only its key: from `before`, else from the Kafka key."""
     before = before if isinstance(before, dict) else {}
@@ -223,12 +226,12 @@ def _delete_row(
     row = {}
     for col, spark_type in spec.columns.items():
         try:
-            row[col] = _convert(col, spark_type, before.get(col), logical_types.get(col))
+            row[col] = _convert(col, spark_type, before.get(col), logical_types.get(col), spec)
         except _Malformed:
             row[col] = None
         if col in spec.primary_key and row[col] is None:
             try:
-                row[col] = _convert(col, spark_type, key_doc.get(col), None)
+                row[col] = _convert(col, spark_type, key_doc.get(col), None, spec)
             except _Malformed:
                 row[col] = None
     missing = [col for col in spec.primary_key if row[col] is None]
@@ -246,17 +249,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _logical_types(schema: Any) -> dict[str, str]:
-    """Column -> Connect logical type name, from the row structs of an envelope schema."""
-    names: dict[str, str] = {}
+def _logical_types(schema: Any) -> dict[str, Logical]:
+    """Column -> (Connect type, logical name, decimal scale), from the row structs of an
+    envelope schema."""
+    found: dict[str, Logical] = {}
     if not isinstance(schema, dict):
-        return names
+        return found
     for field in schema.get("fields") or ():
         if isinstance(field, dict) and field.get("field") in ("before", "after"):
             for column in field.get("fields") or ():
-                if isinstance(column, dict) and column.get("name") and column.get("field"):
-                    names[column["field"]] = column["name"]
-    return names
+                if isinstance(column, dict) and column.get("field"):
+                    scale = (column.get("parameters") or {}).get("scale")
+                    found[column["field"]] = (
+                        column.get("type"),
+                        column.get("name"),
+                        int(scale) if scale is not None else None,
+                    )
+    return found
 
 
 def _sequence_value(document: dict[str, Any], path: str, kind: str) -> int | str:
@@ -267,15 +276,42 @@ def _sequence_value(document: dict[str, Any], path: str, kind: str) -> int | str
         return node
     if kind == "string" and isinstance(node, str):
         return node
+    if kind == "binlog" and isinstance(node, str) and re.fullmatch(r".*\.\d{1,18}", node):
+        return int(node.rsplit(".", 1)[1])
     raise _Malformed(f"missing sequence: '{path}' is {_short(node)}, expected a {kind}")
 
 
-def _convert(column: str, spark_type: str, value: Any, logical_type: str | None) -> Any:
-    """The Python value of a JSON column value, or `_Malformed` if it does not fit the type."""
+def _configured(spec: TableSpec, column: str, declared: str) -> Logical:
+    """How a column is encoded without a schema: its setting, the table's, the default."""
+    setting = spec.encodings.get(column)
+    match = _DECIMAL.match(declared)
+    if match:
+        mode = setting or spec.decimal_handling
+        return {
+            "precise": ("bytes", "org.apache.kafka.connect.data.Decimal", int(match[2])),
+            "string": ("string", None, None),
+            "double": ("float64", None, None),
+        }[mode]
+    if declared == "timestamp":
+        unit = setting or "MicroTimestamp"
+        return ("string" if unit == "ZonedTimestamp" else "int64", f"io.debezium.time.{unit}", None)
+    if declared == "date":
+        return ("int32", "io.debezium.time.Date", None)
+    return (None, None, None)
+
+
+def _convert(
+    column: str, spark_type: str, value: Any, logical: Logical | None, spec: TableSpec
+) -> Any:
+    """The Python value of a JSON column value, or `_Malformed` if it is not in its encoding
+    or does not fit the type exactly."""
     if value is None:
         return None
+    encoding = logical if logical is not None else _configured(spec, column, spark_type)
     try:
-        converted = _CONVERTERS.get(spark_type, _to_decimal)(value, spark_type, logical_type)
+        converted = _CONVERTERS.get(spark_type, _to_decimal)(
+            value, spark_type, (*encoding, logical is not None)
+        )
     except (ValueError, TypeError, ArithmeticError, OverflowError):
         converted = None
     if converted is None:
@@ -287,66 +323,71 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _to_int(value: Any, spark_type: str, _logical: str | None) -> int | None:
+def _to_int(value: Any, spark_type: str, _encoding: tuple) -> int | None:
     low, high = _INT_RANGE[spark_type]
     return value if _is_int(value) and low <= value <= high else None
 
 
-def _to_float(value: Any, _type: str, _logical: str | None) -> float | None:
+def _to_float(value: Any, _type: str, _encoding: tuple) -> float | None:
     return float(value) if _is_int(value) or isinstance(value, float) else None
 
 
-def _to_str(value: Any, _type: str, _logical: str | None) -> str | None:
+def _to_str(value: Any, _type: str, _encoding: tuple) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _to_bool(value: Any, _type: str, _logical: str | None) -> bool | None:
+def _to_bool(value: Any, _type: str, _encoding: tuple) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-_DECLARED_UNITS = {
-    "timestamp(ms)": "io.debezium.time.Timestamp",
-    "timestamp(us)": "io.debezium.time.MicroTimestamp",
-    "timestamp(ns)": "io.debezium.time.NanoTimestamp",
-}
+_ISO = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})")
 
 
-def _to_timestamp(value: Any, declared: str, logical: str | None) -> datetime | None:
-    if isinstance(value, str):
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-    if not _is_int(value):
+def _to_timestamp(value: Any, _declared: str, encoding: tuple) -> datetime | None:
+    _type, name, _scale, _from_schema = encoding
+    if name == "io.debezium.time.ZonedTimestamp":
+        if not isinstance(value, str) or not _ISO.fullmatch(value):
+            return None
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+    if not _is_int(value) or name not in _TIMESTAMP_UNITS:
         return None
-    # A unit declared in the table config wins over the wrapper's logical type name.
-    logical = _DECLARED_UNITS.get(declared, logical)
-    unit = _TIMESTAMP_UNITS.get(logical or "io.debezium.time.MicroTimestamp", 1)
+    unit = _TIMESTAMP_UNITS[name]
+    if unit is None and value % 1000:
+        return None  # nanoseconds a microsecond timestamp can't hold
     micros = value // 1000 if unit is None else value * unit
     return _EPOCH + timedelta(microseconds=micros)
 
 
-def _to_date(value: Any, _type: str, _logical: str | None) -> date | None:
-    if isinstance(value, str):
-        return date.fromisoformat(value)
+def _to_date(value: Any, _type: str, encoding: tuple) -> date | None:
     return _EPOCH_DATE + timedelta(days=value) if _is_int(value) else None
 
 
-def _to_decimal(value: Any, spark_type: str, _logical: str | None) -> Decimal | None:
+def _to_decimal(value: Any, spark_type: str, encoding: tuple) -> Decimal | None:
     match = _DECIMAL.match(spark_type)
     if match is None:
         raise ValueError(f"unsupported column type '{spark_type}'")
     precision, scale = int(match[1]), int(match[2])
-    if isinstance(value, str) or _is_int(value):
+    kind, name, source_scale, from_schema = encoding
+    if name == "org.apache.kafka.connect.data.Decimal":
+        # Precise: base64 of the unscaled two's-complement integer. Without a schema, digits
+        # alone read both as that and as decimal text: refused, never guessed.
+        if not isinstance(value, str) or (not from_schema and value.isdigit()):
+            return None
+        unscaled = int.from_bytes(base64.b64decode(value, validate=True), "big", signed=True)
+        number = Decimal(unscaled).scaleb(-source_scale)
+    elif kind == "string" and isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d+)?", value):
         number = Decimal(value)
-    elif isinstance(value, float):
+    elif kind in ("float64", "int8", "int16", "int32", "int64") and _is_int(value):
+        number = Decimal(value)
+    elif kind == "float64" and isinstance(value, float):
         number = Decimal(repr(value))
     else:
         return None
     if not number.is_finite():
         return None
-    try:
-        quantized = number.quantize(Decimal(1).scaleb(-scale), ROUND_HALF_UP)
-    except InvalidOperation:
-        return None
+    quantized = number.quantize(Decimal(1).scaleb(-scale))
+    if quantized != number:
+        return None  # more places than the column holds: never rounded
     return quantized if abs(quantized) < Decimal(10) ** (precision - scale) else None
 
 
@@ -358,8 +399,5 @@ _CONVERTERS = {
     "string": _to_str,
     "boolean": _to_bool,
     "timestamp": _to_timestamp,
-    "timestamp(ms)": _to_timestamp,
-    "timestamp(us)": _to_timestamp,
-    "timestamp(ns)": _to_timestamp,
     "date": _to_date,
 }

@@ -20,8 +20,12 @@ FIRST_HOUR = datetime(2026, 11, 2, 6, tzinfo=UTC)
 
 
 def demo_specs(prefix: str) -> list[TableSpec]:
-    """The demo tables of tables.yaml, on topics private to one test."""
-    return [spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"}) for spec in load_tables()]
+    """The demo tables of tables.yaml, on topics private to one test, read as the demo
+    generator (demo/source.py) writes them: decimals as text (decimal.handling.mode=string)."""
+    return [
+        spec.model_copy(update={"topic": f"{prefix}.{spec.topic}", "decimal_handling": "string"})
+        for spec in load_tables()
+    ]
 
 
 def hour_keys(first: datetime, count: int) -> list[str]:
@@ -73,14 +77,15 @@ def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None,
 
 
 def accounts_spec(topic: str, *, balance: str = "decimal(10,2)", **overrides) -> TableSpec:
-    """The small `accounts` table the edge and fault tests write their own changes for."""
+    """The small `accounts` table the edge and fault tests write their own changes for
+    (schema-less, decimals as text: decimal.handling.mode=string)."""
     return TableSpec(
         name="accounts",
         topic=topic,
         primary_key=("id",),
         columns={"id": "bigint", "name": "string", "balance": balance},
         start_hour="2026-11-01-00:00",
-        **overrides,
+        **{"decimal_handling": "string", **overrides},
     )
 
 

@@ -272,10 +272,10 @@ def test_timestamps_in_each_unit_and_bad_source_times(
         primary_key=("id",),
         columns={
             "id": "bigint",
-            "at_us": "timestamp",
-            "at_ms": "timestamp(ms)",
-            "at_ns": "timestamp(ns)",
-            "at_iso": "timestamp",
+            "at_us": "timestamp",  # MicroTimestamp, the connector's default
+            "at_ms": {"type": "timestamp", "encoding": "Timestamp"},
+            "at_ns": "timestamp(ns)",  # shorthand of encoding NanoTimestamp
+            "at_iso": {"type": "timestamp", "encoding": "ZonedTimestamp"},
             "day": "date",
         },
         start_hour="2026-11-01-00:00",
@@ -284,28 +284,50 @@ def test_timestamps_in_each_unit_and_bad_source_times(
         "id": 1,
         "at_us": 1_793_491_657_373_712,
         "at_ms": 1_793_491_657_373,
-        "at_ns": 1_793_491_657_373_712_123,
-        "at_iso": "2026-11-03T09:15:00Z",
+        "at_ns": 1_793_491_657_373_712_000,
+        "at_iso": "2026-11-03T10:15:00.5+01:00",
         "day": 20_395,
     }
     t = _ms(HOUR)
     send(topic, b"{}", _envelope("c", 1, after=row, ts_ms=10**18), t)  # absurd source time
     send(topic, b"{}", _envelope("c", 2, after={**row, "id": 2, "at_ms": 10**18}), t + 1)
     send(topic, b"{}", _envelope("c", 3, after={"id": 3, "at_us": None}), t + 2)  # columns gone
+    # Nanoseconds a microsecond timestamp can't hold, and an ISO text in an epoch column.
+    send(
+        topic,
+        b"{}",
+        _envelope("c", 4, after={**row, "id": 4, "at_ns": 1_793_491_657_373_712_123}),
+        t + 3,
+    )
+    send(
+        topic,
+        b"{}",
+        _envelope("c", 5, after={**row, "id": 5, "at_us": "2026-11-03T09:15:00Z"}),
+        t + 4,
+    )
 
     result = run(spec, lake)
-    assert result.counts.applied == 1 and result.counts.errors == 2
+    assert result.counts.applied == 1 and result.counts.errors == 4
     assert set(result.error_reasons) == {
-        "column 'at_ms' does not convert to timestamp(ms)",
+        "column 'at_ms' holds a timestamp outside years 1 to 9999",
         "column 'at_ms' is missing from 'after'",
+        "column 'at_ns' holds a NanoTimestamp with sub-microsecond digits, which timestamp "
+        "(microseconds) would cut; declare it string to keep them",
+        "column 'at_us' holds an ISO-8601 timestamp (ZonedTimestamp?) where MicroTimestamp "
+        "(int64) was expected; enable the connector's schemas "
+        "(value.converter.schemas.enable=true) or declare the column's encoding to match the "
+        "connector's settings (docs/debezium.md)",
     }
     expected, errors = replay_with_errors(
         spec, [(p, o, v) for p, o, v, _ in read_topic(broker, topic)]
     )
-    assert len(errors) == 2
+    assert len(errors) == 4
     actual = mirror_rows(spark, lake.table_path(spec.name), spec)
     assert actual == expected
-    assert actual[(1,)]["at_ms"] == actual[(1,)]["at_us"].replace(microsecond=373_000)
+    first = actual[(1,)]
+    assert first["at_ms"] == first["at_us"].replace(microsecond=373_000)
+    assert first["at_ns"] == first["at_us"]
+    assert first["at_iso"] == datetime(2026, 11, 3, 9, 15, 0, 500_000, tzinfo=UTC)
 
 
 def test_hard_deletes_remove_rows(run, create_topic, send, broker, kafka, spark, lake):

@@ -32,6 +32,7 @@ def _spec(topic: str, **overrides) -> TableSpec:
             "primary_key": ["id"],
             "columns": {"id": "bigint", "name": "string", "balance": "decimal(10,2)"},
             "start_hour": "2026-11-01-00:00",
+            "decimal_handling": "string",
         }
         | overrides
     )
@@ -211,7 +212,10 @@ def test_schema_drift_error_rate_and_freshness_fail_on_a_bad_hour_and_pass_on_a_
     drift = bad["schema_drift"]
     assert not drift.passed
     assert "appeared: nickname" in drift.description
-    assert "balance as BOOLEAN|STRING (declared decimal(10,2))" in drift.description
+    assert (
+        "column 'balance' (decimal(10,2)) arrives as JSON boolean, but the table's config reads "
+        "it as Connect string" in drift.description
+    )
     assert (
         not bad["error_rate"].passed and "2 of 8 records (25.00%)" in bad["error_rate"].description
     )

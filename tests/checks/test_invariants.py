@@ -15,17 +15,19 @@ from cdc_assets.config import (
     RetentionPolicy,
     TableSpec,
 )
-from cdc_assets.decode import kind_fits, parse_object_fields
+from cdc_assets.decode import SourceShape
 from cdc_assets.hour_run import HourCounts, HourResult
 from cdc_assets.slicing import HourSlice, PartitionSlice
 from checks.invariants import (
     accounting_result,
+    changes_readable_result,
     complete_hour_result,
     continuity_result,
     error_rate_result,
     freshness_result,
     retention_risk_result,
     schema_drift_result,
+    toasted_values_result,
 )
 from resources.kafka import TopicRetention
 
@@ -192,36 +194,57 @@ SPEC = TableSpec(
 )
 
 
-def test_schema_drift_passes_on_declared_columns_and_compatible_kinds():
-    fields = {"id": "BIGINT", "name": "VOID", "at": "BIGINT|STRING", "amount": "DECIMAL(4,2)"}
-    assert schema_drift_result(_result(source_fields=fields), SPEC, POLICY).passed
+def test_schema_drift_passes_on_declared_columns_and_compatible_encodings():
+    fields = {"id": {"int64"}, "name": {"string"}, "at": {"int64/MicroTimestamp"}}
+    shape = SourceShape(fields={**fields, "amount": {"bytes/Decimal(scale=2)"}}, schemas={True})
+    check = schema_drift_result(_result(source_fields=shape), SPEC, POLICY)
+    assert check.passed and check.metadata["connect_schema"].value == "yes"
 
 
 def test_schema_drift_names_appeared_vanished_and_changed_columns():
-    fields = {"id": "STRING", "name": "STRING", "amount": "BIGINT", "nickname": "STRING"}
-    check = schema_drift_result(_result(source_fields=fields), SPEC, POLICY)
+    mismatch = (
+        "column 'id' is Connect string in the connector's schema but is declared bigint; "
+        "declare it string"
+    )
+    shape = SourceShape(
+        fields={"id": {"string"}, "name": {"string"}, "amount": {"int64"}, "nickname": {"string"}},
+        mismatches={"id": {mismatch}},
+        schemas={True},
+    )
+    check = schema_drift_result(_result(source_fields=shape), SPEC, POLICY)
     assert not check.passed
     assert "appeared: nickname" in check.description
     assert "no longer sends: at" in check.description
-    assert "id as STRING (declared bigint)" in check.description
+    assert mismatch in check.description
     assert check.metadata["appeared"].value == "nickname"
+    assert check.metadata["type_changed"].value == {"id": [mismatch]}
 
 
-def test_schema_of_variant_strings_parse_and_kinds_fit():
-    text = (
-        "OBJECT<a: VARIANT, `we ird`: DECIMAL(2,1), d: OBJECT<e: BIGINT, f: STRING>, `a``b`: INT>"
+def test_an_hour_whose_every_change_is_an_error_fails_changes_readable():
+    reason = "column 'balance' holds decimal text ..."
+    policy = CheckPolicy(severity="ERROR", blocking=True)
+    failing = _result(
+        counts=HourCounts(consumed=5, applied=0, superseded=0, stale=0, tombstones=1, errors=4),
+        error_reasons={reason: 4},
     )
-    assert parse_object_fields(text) == {
-        "a": "VARIANT",
-        "we ird": "DECIMAL(2,1)",
-        "d": "OBJECT<e: BIGINT, f: STRING>",
-        "a`b": "INT",
-    }
-    assert parse_object_fields(None) == {}
-    assert kind_fits("bigint", "BIGINT") and kind_fits("bigint", "DECIMAL(20,0)")
-    assert not kind_fits("bigint", "STRING") and not kind_fits("boolean", "BIGINT")
-    assert kind_fits("timestamp", "BIGINT|STRING") and not kind_fits("string", "BIGINT|STRING")
-    assert kind_fits("string", "VOID")
+    check = changes_readable_result(failing, policy)
+    assert not check.passed
+    assert "all 4 changes" in check.description and reason in check.description
+    some = _result(
+        counts=HourCounts(consumed=5, applied=1, superseded=0, stale=0, tombstones=1, errors=3)
+    )
+    assert changes_readable_result(some, policy).passed
+    empty = _result(
+        counts=HourCounts(consumed=1, applied=0, superseded=0, stale=0, tombstones=1, errors=0)
+    )
+    assert changes_readable_result(empty, policy).passed
+
+
+def test_unknown_toasted_values_fail_their_check():
+    check = toasted_values_result(_result(), POLICY, unknown={"body": 2, "notes": 0})
+    assert not check.passed and "2 live rows hold no known value of 'body'" in check.description
+    assert check.metadata["unknown_notes"].value == 0
+    assert toasted_values_result(_result(), POLICY, unknown={"body": 0}).passed
 
 
 # --- retention risk (I6) ----------------------------------------------------------------

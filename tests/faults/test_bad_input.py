@@ -311,7 +311,8 @@ def test_malformed_mistyped_oversized_and_unknown_records(broker, scenario, spar
     assert reasons == sorted(
         [
             "value is not valid JSON",
-            "column 'balance' does not convert to bigint",
+            "column 'balance' holds a string where Connect int64 was expected; declare the column "
+            "with the type the source sends",
             "value is larger than max_record_bytes (4096)",
             "unknown op",
         ]
@@ -364,8 +365,14 @@ def test_a_new_column_is_added_and_incompatible_values_are_errors(broker, scenar
     assert dict(mirror.dtypes)["tier"] == "string"
     tiers = {r["id"]: r["tier"] for r in mirror.where("NOT _cdc_deleted").collect()}
     assert tiers == {1: "gold", 2: None, 3: None, 4: "silver"}
-    assert results[1].error_reasons == {"column 'balance' does not convert to bigint": 1}
-    assert results[2].error_reasons == {"column 'tier' does not convert to string": 1}
+    assert results[1].error_reasons == {
+        "column 'balance' holds a string where Connect int64 was expected; declare the column "
+        "with the type the source sends": 1
+    }
+    assert results[2].error_reasons == {
+        "column 'tier' holds a JSON integer where Connect string was expected; declare the "
+        "column with the type the source sends": 1
+    }
 
 
 def test_an_unchanged_toasted_value_keeps_the_newest_known_one(broker, scenario, spark, tmp_path):

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from cdc_assets import merge
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import added_column_types
+from cdc_assets.decode import SourceShape, added_column_types
 from cdc_assets.hour_run import truncate_watermark
 
 
@@ -53,21 +53,22 @@ def test_the_truncate_watermark_is_the_newest_truncate():
 
 
 def test_added_columns_take_their_type_from_their_values():
-    kinds = {
-        "id": "BIGINT",  # declared
-        "visits": "BIGINT|INT",
-        "score": "DECIMAL(4,2)|BIGINT",
-        "ratio": "DOUBLE",
-        "vip": "BOOLEAN",
-        "tier": "STRING|VOID",
-        "mixed": "BIGINT|STRING",
-        "later": "VOID",  # only nulls so far: waits
-        "nested": "OBJECT<a: BIGINT>",  # waits for a declaration
-        "Value": "STRING",  # the raw record's column name
-        "_cdc_op": "STRING",
-        "bad-name": "STRING",
+    # Without a schema: from the JSON kinds their values arrived as.
+    types = {
+        "id": {"bigint"},  # declared
+        "visits": {"bigint"},
+        "score": {"double", "bigint"},
+        "ratio": {"double"},
+        "vip": {"boolean"},
+        "tier": {"string"},
+        "mixed": {"bigint", "string"},
+        "later": set(),  # only nulls so far: waits
+        "nested": {"object (declare it)"},  # waits for a declaration
+        "Value": {"string"},  # the raw record's column name
+        "_cdc_op": {"string"},
+        "bad-name": {"string"},
     }
-    assert added_column_types(kinds, ["id"]) == {
+    assert added_column_types(SourceShape(types=types), ["id"]) == {
         "visits": "bigint",
         "score": "double",
         "ratio": "double",
@@ -75,7 +76,11 @@ def test_added_columns_take_their_type_from_their_values():
         "tier": "string",
         "mixed": "string",
     }
-    assert added_column_types({"Tier": "STRING"}, ["tier"]) == {}  # Spark's names ignore case
+    shape = SourceShape(types={"Tier": {"string"}})
+    assert added_column_types(shape, ["tier"]) == {}  # Spark's names ignore case
+    # With a schema: the type its encoding calls for.
+    schema = SourceShape(types={"amount": {"decimal(12,2)"}, "at": {"timestamp"}})
+    assert added_column_types(schema, ["id"]) == {"amount": "decimal(12,2)", "at": "timestamp"}
 
 
 def test_toasted_columns_must_be_declared_non_key_columns():

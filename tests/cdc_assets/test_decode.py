@@ -1,0 +1,204 @@
+"""The record decoder on Kafka rows built by hand: envelopes with and without their Connect
+schema, keys, headers and what the batch reports of the source's columns. Pure: no Spark."""
+
+from __future__ import annotations
+
+import base64
+import json
+from decimal import Decimal
+
+import pyarrow as pa
+
+from cdc_assets.config import TableSpec
+from cdc_assets.decode import (
+    ERROR,
+    MOVED_FROM,
+    SHAPE,
+    DecodePlan,
+    RecordDecoder,
+    SourceShape,
+    added_column_types,
+    has_value,
+)
+
+SPEC = TableSpec(
+    name="accounts",
+    topic="t",
+    primary_key=("id",),
+    columns={"id": "bigint", "balance": "decimal(14,2)", "note": "string"},
+    toasted_columns=("note",),
+    start_hour="2026-11-01-00:00",
+)
+ROW_SCHEMA = {
+    "type": "struct",
+    "optional": True,
+    "fields": [
+        {"type": "int64", "optional": False, "field": "id"},
+        {
+            "type": "bytes",
+            "optional": True,
+            "name": "org.apache.kafka.connect.data.Decimal",
+            "version": 1,
+            "parameters": {"scale": "2", "connect.decimal.precision": "14"},
+            "field": "balance",
+        },
+        {"type": "string", "optional": True, "field": "note"},
+    ],
+}
+
+
+def _schema(row_schema: dict) -> dict:
+    return {
+        "type": "struct",
+        "fields": [
+            {**row_schema, "field": "before"},
+            {**row_schema, "field": "after"},
+            {"type": "string", "optional": False, "field": "op"},
+        ],
+    }
+
+
+def _value(op: str, row: dict | None, lsn: int, *, schema: dict | None = None) -> bytes:
+    envelope = {
+        "before": row if op == "d" else None,
+        "after": None if op == "d" else row,
+        "source": {"lsn": lsn, "ts_ms": 1_793_491_657_373},
+        "op": op,
+        "ts_ms": 1,
+    }
+    document = envelope if schema is None else {"schema": schema, "payload": envelope}
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _b64(unscaled: int) -> str:
+    size = max(1, (unscaled.bit_length() + 8) // 8)
+    return base64.b64encode(unscaled.to_bytes(size, "big", signed=True)).decode()
+
+
+def _decode(records: list[tuple], spec: TableSpec = SPEC, **plan) -> list[dict]:
+    """records: (key, value[, headers]) → decoded rows as dicts."""
+    decoder = RecordDecoder(DecodePlan.of(spec, hour_key="2026-11-02-06:00", **plan))
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "key": [r[0] for r in records],
+            "value": [r[1] for r in records],
+            "topic": ["t"] * len(records),
+            "partition": [0] * len(records),
+            "offset": list(range(len(records))),
+            "timestamp": pa.array([0] * len(records), pa.timestamp("us", tz="UTC")),
+            "headers": pa.array(
+                [r[2] if len(r) > 2 else None for r in records],
+                pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())])),
+            ),
+        }
+    )
+    return decoder.decode_batch(batch).to_pylist()
+
+
+def test_a_schema_decides_each_records_encoding_and_a_changed_schema_is_followed():
+    wrapped = _schema(ROW_SCHEMA)
+    # The same table after `ALTER TABLE ... ALTER COLUMN balance TYPE numeric(14,3)`.
+    scale_3 = json.loads(json.dumps(ROW_SCHEMA))
+    scale_3["fields"][1]["parameters"]["scale"] = "3"
+    values = [("76e4", wrapped), (_b64(1), wrapped), (_b64(1230), _schema(scale_3))]
+    values.append((_b64(1234), _schema(scale_3)))
+    rows = _decode(
+        [
+            (b'{"id":%d}' % n, _value("c", {"id": n, "balance": b, "note": None}, n, schema=s))
+            for n, (b, s) in enumerate(values, start=1)
+        ]
+    )
+    assert [r["balance"] for r in rows] == [
+        Decimal("-10711.76"),
+        Decimal("0.01"),
+        Decimal("1.23"),
+        None,
+    ]
+    assert "more than 2 decimal places" in rows[3][ERROR]
+    shape = SourceShape.combine(r[SHAPE] for r in rows)
+    assert shape.fields["balance"] == {"bytes/Decimal(scale=2)", "bytes/Decimal(scale=3)"}
+    assert shape.schemas == {True}
+
+
+def test_without_a_schema_the_tables_config_decides():
+    rows = _decode([(b'{"id":1}', _value("c", {"id": 1, "balance": "12.30", "note": "x"}, 10))])
+    assert "declare decimal_handling: string" in rows[0][ERROR]
+    text = SPEC.model_copy(update={"decimal_handling": "string"})
+    rows = _decode(
+        [(b'{"id":1}', _value("c", {"id": 1, "balance": "12.30", "note": "x"}, 10))], text
+    )
+    assert rows[0][ERROR] is None and rows[0]["balance"] == Decimal("12.30")
+    shape = SourceShape.combine(r[SHAPE] for r in rows)
+    assert shape.fields["balance"] == {"json:string"} and shape.schemas == {False}
+
+
+def test_a_delete_takes_its_key_from_the_kafka_key_and_a_foreign_key_is_refused():
+    rows = _decode(
+        [
+            (b'{"id":7}', _value("d", {"id": None, "balance": None, "note": None}, 10)),
+            (b'{"id":8}', _value("c", {"id": 9, "balance": _b64(1), "note": "x"}, 11)),
+        ]
+    )
+    assert rows[0][ERROR] is None and rows[0]["id"] == 7 and rows[0]["_cdc_deleted"]
+    assert rows[1][ERROR] == "the Kafka key's 'id' differs from the row's primary key"
+
+
+def test_placeholders_are_no_value_in_toasted_columns_and_errors_elsewhere():
+    placeholder = "__debezium_unavailable_value"
+    rows = _decode(
+        [
+            (b'{"id":1}', _value("u", {"id": 1, "balance": _b64(5), "note": placeholder}, 10)),
+            (b'{"id":1}', _value("u", {"id": 1, "balance": placeholder, "note": "n"}, 11)),
+        ]
+    )
+    assert rows[0][ERROR] is None and rows[0]["note"] is None and not rows[0][has_value("note")]
+    assert "list it under toasted_columns" in rows[1][ERROR]
+
+
+def test_a_primary_key_update_names_the_old_key_from_its_header():
+    header = [{"key": "__debezium.oldkey", "value": b'{"id":1}'}]
+    row = {"id": 2, "balance": _b64(5), "note": "__debezium_unavailable_value"}
+    rows = _decode([(b'{"id":2}', _value("c", row, 10), header)])
+    assert rows[0][ERROR] is None and rows[0][MOVED_FROM] == {"id": 1}
+
+
+def test_undeclared_columns_are_reported_with_the_type_that_holds_them():
+    schema = json.loads(json.dumps(ROW_SCHEMA))
+    schema["fields"].append(
+        {
+            "type": "int64",
+            "optional": True,
+            "name": "io.debezium.time.MicroTimestamp",
+            "field": "seen",
+        }
+    )
+    record = (
+        b'{"id":1}',
+        _value(
+            "c", {"id": 1, "balance": _b64(5), "note": "x", "seen": 5}, 10, schema=_schema(schema)
+        ),
+    )
+    shape = SourceShape.combine(r[SHAPE] for r in _decode([record]))
+    assert added_column_types(shape, SPEC.columns) == {"seen": "timestamp"}
+    rows = _decode([record], added_columns={"seen": "timestamp"})
+    assert rows[0]["seen"] is not None and rows[0][ERROR] is None
+
+
+def test_records_that_are_not_changes():
+    rows = _decode(
+        [
+            (b'{"id":1}', None),
+            (b'{"id":1}', b"{not json"),
+            (b'{"id":1}', b'{"before":null,"after":{"id":1},"source":{"lsn":1}}'),
+            (b'{"id":1}', b'{"op":"x","after":{"id":1},"source":{"lsn":1}}'),
+            (b'{"id":1}', b'{"op":"c","after":{"id":1},"source":{}}'),
+        ]
+    )
+    assert rows[0]["_cdc_is_tombstone"] and rows[0][ERROR] is None
+    assert [r[ERROR] for r in rows[1:]] == [
+        "value is not valid JSON",
+        "envelope has no 'op' field",
+        "unknown op",
+        "sequence field 'source.lsn' is missing or not a bigint",
+    ]
+    assert rows[1]["value"] == b"{not json" and rows[0]["value"] is None
