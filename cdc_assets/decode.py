@@ -39,6 +39,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -519,14 +520,31 @@ class RecordDecoder:
     def _moved_from(self, row_plan: _RowPlan, headers: list) -> dict[str, Any] | None:
         for header in headers:
             if header.get("key") == OLD_KEY_HEADER and header.get("value") is not None:
-                old = self._key_values(header["value"])
-                if len(old) != len(self.plan.primary_key):
-                    raise _Bad(
-                        f"the '{OLD_KEY_HEADER}' header of a primary-key update does not name "
-                        "the old key as JSON; keep Kafka Connect's default header converter"
-                    )
-                return old
+                return self._header_key(header["value"])
         return None
+
+    def _header_key(self, raw: bytes) -> dict[str, Any]:
+        """The old key in Kafka Connect's default header format (SimpleHeaderConverter).
+
+        A key struct is written `{"id":1,"code":"a"}`: JSON for numbers, strings (only
+        backslashes and quotes escaped) and bytes (base64); decimals as plain numbers. Dates and
+        times are written unquoted, which no reader can take back exactly: refused.
+        """
+        plan, found = self.plan, {}
+        declared = plan.declared
+        try:
+            document = json.loads(raw.decode("utf-8"), parse_float=Decimal, strict=False)
+        except (ValueError, UnicodeDecodeError):
+            document = None
+        for pk in plan.primary_key if isinstance(document, dict) else ():
+            found[pk] = _header_value(document.get(pk), declared[pk])
+        if len(found) != len(plan.primary_key) or None in found.values():
+            raise _Bad(
+                f"the '{OLD_KEY_HEADER}' header of a primary-key update does not name the old "
+                f"key's {', '.join(plan.primary_key)} in Kafka Connect's default header format "
+                "(keep the worker's header.converter at its default, SimpleHeaderConverter)"
+            )
+        return found
 
     # -- batches --
 
@@ -629,6 +647,25 @@ class RecordDecoder:
                         f"{'/'.join(sorted(wrong))}, but the table's config reads it as "
                         f"{configured.describe()}"
                     )
+
+
+def _header_value(value: Any, declared: str) -> Any:
+    """One key column as SimpleHeaderConverter wrote it, exactly, or None."""
+    family = "decimal" if enc.decimal_shape(declared) else declared
+    if family in ("bigint", "int") and type(value) is int:
+        return value
+    if family == "string" and type(value) is str:
+        return value
+    if family == "decimal" and type(value) in (int, Decimal):
+        precision, scale = enc.decimal_shape(declared)
+        exact = Decimal(value).quantize(Decimal(1).scaleb(-scale))
+        return exact if exact == value and abs(exact) < Decimal(f"1e{precision - scale}") else None
+    if family == "binary" and type(value) is str:
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            return None
+    return None
 
 
 def _json_kind_of(encoding: enc.Encoding) -> set[str]:

@@ -59,7 +59,8 @@ class _Malformed(Exception):
     """A record that is not a valid change; the message is the reason."""
 
 
-Record = tuple[int, int, bytes | None] | tuple[int, int, bytes | None, bytes | None]
+# (partition, offset, value[, key[, headers]])
+Record = tuple
 
 
 def replay(
@@ -84,8 +85,11 @@ def replay_with_errors(
 
     Reasons start with one of: "oversized", "invalid json", "missing op", "unknown op",
     "missing sequence", "missing row", "missing primary key", "key mismatch", "wrong type",
-    "unavailable placeholder" (in a column not listed under ``toasted_columns``). A toasted
-    column holds the newest value that any change of its key carried.
+    "unavailable placeholder" (in a column not listed under ``toasted_columns``), "bad
+    header". A toasted column holds the newest value that any change of its key carried since
+    its row's life began; a row a primary-key update moved (a create naming the old key in its
+    ``__debezium.oldkey`` header, given as the record's fifth element) takes the old key's value
+    from just before the move.
     A truncate (op ``t``, known when the spec says ``on_truncate: apply``) deletes every row
     whose last change is older than it.
     """
@@ -93,15 +97,18 @@ def replay_with_errors(
     latest: dict[tuple, tuple[tuple, Row | None]] = {}
     errors: list[ReplayError] = []
     truncated_before: tuple | None = None  # the newest truncate's position
-    # key -> toasted column -> (position, value) of the newest change that carried a value
-    toasted: dict[tuple, dict[str, tuple[tuple, Any]]] = {}
-    for partition, offset, value, *kafka_key in records:
+    # key -> toasted column -> every (position, value) a change of the key carried
+    toasted: dict[tuple, dict[str, list[tuple[tuple, Any]]]] = {}
+    # key -> every (position, old key) of a primary-key update that moved a row to the key
+    moves: dict[tuple, list[tuple[tuple, tuple]]] = {}
+    for partition, offset, value, *rest in records:
         if value is None:
             continue  # tombstone: log compaction's marker, the delete event came before it
+        kafka_key = rest[0] if rest else None
+        headers = rest[1] if len(rest) > 1 else ()
         try:
-            op, sequence, row = _parse(
-                spec, value, kafka_key[0] if kafka_key else None, added_columns or {}
-            )
+            op, sequence, row = _parse(spec, value, kafka_key, added_columns or {})
+            old_key = _old_key(spec, headers) if op == "c" and spec.toasted_columns else None
         except _Malformed as exc:
             errors.append((partition, offset, str(exc)))
             continue
@@ -110,14 +117,11 @@ def replay_with_errors(
             truncated_before = max(truncated_before or position, position)
             continue
         key = tuple(row[col] for col in spec.primary_key)
+        if old_key is not None:
+            moves.setdefault(key, []).append((position, old_key))
         for col in spec.toasted_columns:
-            carried = toasted.setdefault(key, {}).get(col)
-            if (
-                op != "d"
-                and row[col] is not _UNAVAILABLE
-                and (carried is None or position > carried[0])
-            ):
-                toasted[key][col] = (position, row[col])
+            if op != "d" and row[col] is not _UNAVAILABLE:
+                toasted.setdefault(key, {}).setdefault(col, []).append((position, row[col]))
         current = latest.get(key)
         if current is not None and position <= current[0]:
             continue
@@ -128,14 +132,47 @@ def replay_with_errors(
         for key, (position, row) in latest.items()
         if row is not None and (truncated_before is None or position > truncated_before)
     }
-    # A toasted column holds the newest value any change of the key carried.
     for key, row in live.items():
-        carried = toasted.get(key, {})
         live[key] = {
             **row,
-            **{col: carried[col][1] if col in carried else None for col in spec.toasted_columns},
+            **{col: _toasted_value(key, col, None, toasted, moves) for col in spec.toasted_columns},
         }
     return live, errors
+
+
+def _toasted_value(
+    key: tuple, col: str, before: tuple | None, toasted: dict, moves: dict, depth: int = 0
+) -> Any:
+    """A toasted column's value of `key` just before position `before` (None: at the end).
+
+    The newest value a change of the key carried since its row's life began; a life that began
+    with a primary-key update (a move) takes, until then, the old key's value just before the
+    move. None where nothing tells it (the pipeline flags such rows).
+    """
+    earlier = [m for m in moves.get(key, ()) if before is None or m[0] < before]
+    move = max(earlier, default=None)
+    own = [
+        (position, value)
+        for position, value in toasted.get(key, {}).get(col, ())
+        if (before is None or position < before) and (move is None or position >= move[0])
+    ]
+    if own:
+        return max(own, key=lambda carried: carried[0])[1]
+    if move is not None and depth < 32:
+        return _toasted_value(move[1], col, move[0], toasted, moves, depth + 1)
+    return None
+
+
+def _old_key(spec: TableSpec, headers: Iterable) -> tuple | None:
+    """The old primary key a create names in Debezium's `__debezium.oldkey` header."""
+    for name, raw in headers or ():
+        if name == "__debezium.oldkey" and raw is not None:
+            try:
+                document = json.loads(raw.decode("utf-8"))
+                return tuple(document[col] for col in spec.primary_key)
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                raise _Malformed("bad header: __debezium.oldkey does not name the key") from None
+    return None
 
 
 def _parse(

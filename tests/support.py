@@ -49,8 +49,9 @@ def seed_demo(
     return source, produce(records, bootstrap, partitions=partitions)
 
 
-def read_records(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes, int]]:
-    """Every committed record of `topic` as (partition, offset, value, key, timestamp_ms)."""
+def read_records(bootstrap: str, topic: str, *, headers: bool = False) -> list[tuple]:
+    """Every committed record of `topic` as (partition, offset, value, key, timestamp_ms), and
+    its headers [(key, value)] last when `headers`."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -65,7 +66,11 @@ def read_records(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | Non
         out = []
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             for batch in consumer.poll(timeout_ms=1_000).values():
-                out += [(m.partition, m.offset, m.value, m.key, m.timestamp) for m in batch]
+                out += [
+                    (m.partition, m.offset, m.value, m.key, m.timestamp)
+                    + ((list(m.headers or ()),) if headers else ())
+                    for m in batch
+                ]
         return out
     finally:
         consumer.close()

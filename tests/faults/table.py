@@ -44,6 +44,7 @@ class Change:
     key: bytes | None
     partition: int | None = None
     second: int = 0
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 def key_bytes(row_id: int | None) -> bytes | None:
@@ -75,6 +76,33 @@ def change(
     return Change(hour, json.dumps(envelope).encode(), key, partition, second)
 
 
+def move(
+    old_id: int,
+    new_id: int,
+    lsn: int,
+    *,
+    hour: int = 0,
+    second: int = 0,
+    name: str = "__debezium_unavailable_value",
+) -> list[Change]:
+    """A primary-key update as Debezium's Postgres connector sends it under the default
+    replica identity: a delete of the old key (its `before` holds the key only), then a create
+    of the new one whose unchanged TOASTed `name` is the placeholder, naming the old key in its
+    `__debezium.oldkey` header (Kafka Connect's default header format)."""
+    deleted = {
+        "op": "d",
+        "before": {"id": old_id, "name": None, "balance": None},
+        "after": None,
+        "source": {"lsn": lsn, "ts_ms": stamp(hour, second)},
+    }
+    created = json.loads(change("c", new_id, lsn + 1, hour=hour, name=name).value)
+    header = (("__debezium.oldkey", json.dumps({"id": old_id}, separators=(",", ":")).encode()),)
+    return [
+        Change(hour, json.dumps(deleted).encode(), key_bytes(old_id), None, second),
+        Change(hour, json.dumps(created).encode(), key_bytes(new_id), None, second, header),
+    ]
+
+
 def tombstone(row_id: int, *, hour: int = 0, partition: int | None = None, second: int = 0):
     return Change(hour, None, key_bytes(row_id), partition, second)
 
@@ -100,6 +128,7 @@ def send_all(bootstrap: str, topic: str, changes: Iterable[Change], **producer_o
                 value=c.value,
                 partition=c.partition,
                 timestamp_ms=stamp(c.hour, c.second),
+                headers=list(c.headers) or None,
             )
             for c in changes
         ]
@@ -136,14 +165,14 @@ def reference(
     added_columns: dict[str, str] | None = None,
 ) -> Reference:
     """The reference replay of every committed record of the topic (up to an hour's end)."""
-    records = read_records(bootstrap, spec_.topic)
+    records = read_records(bootstrap, spec_.topic, headers=True)
     if upto_hour is not None:
         limit = stamp(upto_hour + 1)
         records = [r for r in records if r[4] < limit]
-    rows = [(p, o, v, k) for p, o, v, k, _ in records]
+    rows = [(p, o, v, k, h) for p, o, v, k, _, h in records]
     expected = replay(spec_, rows, added_columns)
     seen = set()
-    for _, _, value, _ in rows:
+    for _, _, value, _, _ in rows:
         if value is None:
             continue
         try:
