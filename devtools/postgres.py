@@ -86,6 +86,10 @@ class PostgresConfig:
             Spark and Dagster too.
         max_connections: Dagster opens a connection per storage call (no pool), from the
             webserver, the daemon and every run.
+        logical_replication: A change-data-capture source: ``wal_level=logical``, replication
+            connections over TCP, the role may replicate (``REPLICATION``), and a publication
+            of all tables (``PUBLICATION``, what Debezium's Postgres connector reads through
+            pgoutput by default) exists in the database.
     """
 
     port: int = DEFAULT_PORT
@@ -95,6 +99,7 @@ class PostgresConfig:
     tools_dir: Path = DEFAULT_TOOLS_DIR
     shared_buffers: str = "32MB"
     max_connections: int = 60
+    logical_replication: bool = False
 
     def __post_init__(self) -> None:
         # Absolute paths: the running server is recognised by the data dir on its command line.
@@ -145,9 +150,23 @@ class PostgresConfig:
         return f"{HOST}:{self.port}"
 
 
+# Debezium's Postgres connector reads this publication by default (publication.name).
+PUBLICATION = "dbz_publication"
+
+
 def server_settings(config: PostgresConfig) -> dict[str, str]:
     """The ``postgresql.conf`` settings of ``config``, as PostgreSQL literals."""
+    replication = {}
+    if config.logical_replication:
+        replication = {
+            "wal_level": "logical",
+            "max_wal_senders": "20",
+            "max_replication_slots": "20",
+            # A connector stopped for good must not fill the disk with WAL it will never read.
+            "max_slot_wal_keep_size": "'1GB'",
+        }
     return {
+        **replication,
         "listen_addresses": f"'{HOST}'",
         "port": str(config.port),
         "unix_socket_directories": f"'{config.socket_dir}'",
@@ -186,6 +205,7 @@ local all postgres trust
 local all all scram-sha-256
 host all all 127.0.0.1/32 scram-sha-256
 """
+_HBA_REPLICATION = "host replication all 127.0.0.1/32 scram-sha-256\n"
 
 
 def start(config: PostgresConfig, password: str, timeout_s: float = 60) -> str:
@@ -413,7 +433,8 @@ def _render_conf(config: PostgresConfig) -> str:
 def _write_configs(config: PostgresConfig) -> None:
     # Replaces initdb's files, whose time zone setting would read the system's tzdata.
     (config.cluster_dir / "postgresql.conf").write_text(_render_conf(config))
-    (config.cluster_dir / "pg_hba.conf").write_text(_HBA)
+    hba = _HBA + (_HBA_REPLICATION if config.logical_replication else "")
+    (config.cluster_dir / "pg_hba.conf").write_text(hba)
     config.socket_dir.mkdir(mode=0o700, exist_ok=True)
     _own(config, config.socket_dir)
 
@@ -462,11 +483,11 @@ def _is_our_server(config: PostgresConfig, pid: int) -> bool:
     return b"-D" in args and str(config.cluster_dir).encode() in args
 
 
-def _superuser_connection(config: PostgresConfig, timeout_s: float = 5):
+def _superuser_connection(config: PostgresConfig, timeout_s: float = 5, database: str = "postgres"):
     return psycopg2.connect(
         host=str(config.socket_dir),
         port=config.port,
-        dbname="postgres",
+        dbname=database,
         user=SUPERUSER,
         connect_timeout=max(int(timeout_s), 2),
     )
@@ -502,8 +523,10 @@ def _create_role_and_database(config: PostgresConfig, password: str) -> None:
             role = sql.Identifier(config.username)
             cursor.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (config.username,))
             verb = sql.SQL("ALTER" if cursor.fetchone() else "CREATE")
+            replicates = sql.SQL(" REPLICATION" if config.logical_replication else "")
             cursor.execute(
-                sql.SQL("{} ROLE {} WITH LOGIN PASSWORD %s").format(verb, role), (verifier,)
+                sql.SQL("{} ROLE {} WITH LOGIN{} PASSWORD %s").format(verb, role, replicates),
+                (verifier,),
             )
             cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (config.database,))
             if cursor.fetchone() is None:
@@ -514,6 +537,8 @@ def _create_role_and_database(config: PostgresConfig, password: str) -> None:
                 )
     finally:
         connection.close()
+    if config.logical_replication:
+        _create_publication(config)
     # What the clients will do: the role's password over TCP.
     try:
         connect(config, password).close()
@@ -522,6 +547,23 @@ def _create_role_and_database(config: PostgresConfig, password: str) -> None:
             f"{config.username}@{config.address}/{config.database} refused its password: "
             f"{str(exc).strip()}{_log_report(config)}"
         ) from None
+
+
+def _create_publication(config: PostgresConfig) -> None:
+    """The publication of all tables Debezium reads; only a superuser may create it."""
+    connection = _superuser_connection(config, database=config.database)
+    connection.autocommit = True
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (PUBLICATION,))
+            if cursor.fetchone() is None:
+                cursor.execute(
+                    sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(
+                        sql.Identifier(PUBLICATION)
+                    )
+                )
+    finally:
+        connection.close()
 
 
 def _terminate(config: PostgresConfig, pid: int, timeout_s: float) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the project needs into the checkout: the virtualenv with the pinned
-# Python packages, the JVM jars from Maven Central (pom.xml → .jars/), and Debian's PostgreSQL
-# server (→ .tools/postgresql/). Idempotent: a second run only checks. Needs python3.11, java 17
+# Python packages, the JVM jars from Maven Central (pom.xml → .jars/: Spark's, the Kafka broker,
+# Kafka Connect and Debezium's connectors), and Debian's PostgreSQL, MariaDB and libfaketime
+# (→ .tools/). Idempotent: a second run only checks. Needs python3.11, java 17
 # and mvn on PATH, and Debian's apt-get and dpkg-deb.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,62 +29,73 @@ if [ ! -f "$jar_stamp" ]; then
   touch "$jar_stamp"
 fi
 
-# Debian bookworm's PostgreSQL 15 server, for the Dagster instance on Postgres (tests/deploy,
-# deploy/production): downloaded with apt-get into private state (no root, the system's packages
-# and apt lists untouched) and unpacked into .tools/postgresql/. The libraries its binaries
-# link come along too (all but glibc and the C++ runtime), so the server does not depend on what
-# happens to be installed; devtools/postgres.py runs it with them on LD_LIBRARY_PATH.
-pg_packages="postgresql-15 libpq5 libicu72 libxml2 libldap-2.5-0 libsasl2-2 libgssapi-krb5-2
-  libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 libssl3 liblz4-1 libzstd1
-  liblzma5 zlib1g libsystemd0 libcap2 libgcrypt20 libgpg-error0 libpam0g libaudit1 libcap-ng0
-  libgnutls30 libp11-kit0 libidn2-0 libunistring2 libtasn1-6 libnettle8 libhogweed6 libgmp10
-  libffi8"
-pg_dir=.tools/postgresql
-pg_stamp=$pg_dir/.installed-$(echo "$pg_packages" | sha1sum | cut -c1-12)
-if [ ! -f "$pg_stamp" ]; then
-  echo "install: Debian bookworm's PostgreSQL 15 into $pg_dir/ (apt-get download, no root)"
+# Debian's packages for the local servers, downloaded with apt-get from the machine's own
+# configured sources into private state (no root; the system's packages and apt lists untouched)
+# and unpacked into .tools/<name>/. The libraries their binaries link come along too (all but
+# glibc's and the C++ runtime's), so the servers don't depend on what happens to be installed;
+# devtools/ runs them with those libraries on LD_LIBRARY_PATH.
+#   debian_unpack NAME "PACKAGES" "BINARIES TO CHECK (paths inside the tree)" [PATHS TO DROP]
+debian_unpack() {
+  local name=$1 packages=$2 binaries=$3 drop=${4:-}
+  local dir=.tools/$name
+  local stamp=$dir/.installed-$(echo "$packages" | sha1sum | cut -c1-12)
+  [ -f "$stamp" ] && return 0
+  echo "install: Debian's $name into $dir/ (apt-get download, no root)"
   for tool in apt-get dpkg-deb ldd; do
     command -v "$tool" >/dev/null || { echo "install: $tool is missing (Debian's apt, dpkg)" >&2; exit 1; }
   done
-  work=$PWD/.tools/postgresql.download
-  rm -rf "$work" "$pg_dir" "$pg_dir.tmp"
-  mkdir -p "$work"/state/lists/partial "$work"/cache/archives/partial "$work"/parts "$work"/debs
-  keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-  for suite in bookworm bookworm-updates; do
-    echo "deb [signed-by=$keyring target=Packages] http://deb.debian.org/debian $suite main"
-  done >"$work"/sources.list
-  echo "deb [signed-by=$keyring target=Packages] http://deb.debian.org/debian-security" \
-    "bookworm-security main" >>"$work"/sources.list
-  apt_private=(
-    -o Dir::State="$work"/state -o Dir::State::status=/dev/null
-    -o Dir::Cache="$work"/cache -o Dir::Etc::SourceList="$work"/sources.list
-    -o Dir::Etc::SourceParts="$work"/parts -o Dir::Etc::Preferences=/dev/null
-    -o Dir::Etc::PreferencesParts="$work"/parts -o Debug::NoLocking=1
-    -o APT::Sandbox::User="$(id -un)" -o APT::Architectures="$(dpkg --print-architecture)"
-    -o Acquire::Languages=none
+  local work=$PWD/.tools/$name.download
+  rm -rf "$work" "$dir" "$dir.tmp"
+  mkdir -p "$work"/state/lists/partial "$work"/cache/archives/partial "$work"/debs
+  local apt_private=(
+    -o Dir::State="$work"/state -o Dir::State::status=/dev/null -o Dir::Cache="$work"/cache
+    -o Debug::NoLocking=1 -o APT::Sandbox::User="$(id -un)"
+    -o APT::Architectures="$(dpkg --print-architecture)" -o Acquire::Languages=none
   )
   apt-get -qq "${apt_private[@]}" update
   # shellcheck disable=SC2086  # the package list splits on purpose
-  (cd "$work"/debs && apt-get -qq "${apt_private[@]}" download $pg_packages)
-  mkdir -p "$pg_dir.tmp"
-  for deb in "$work"/debs/*.deb; do dpkg-deb -x "$deb" "$pg_dir.tmp"; done
-  # JIT is off (no LLVM); documentation and translations are not needed.
-  rm -rf "$pg_dir.tmp"/usr/lib/postgresql/15/lib/bitcode "$pg_dir.tmp"/usr/share/doc \
-    "$pg_dir.tmp"/usr/share/locale "$pg_dir.tmp"/usr/share/man "$pg_dir.tmp"/usr/share/postgresql/15/man
-  (cd "$work"/debs && ls -1 ./*.deb | sed 's|^\./||') >"$pg_dir.tmp"/PACKAGES
-  libs=$(find "$PWD/$pg_dir.tmp" -maxdepth 3 -type d -name '*-linux-gnu*' -path '*/lib/*' | paste -sd:)
+  (cd "$work"/debs && apt-get -qq "${apt_private[@]}" download $packages)
+  mkdir -p "$dir.tmp"
+  for deb in "$work"/debs/*.deb; do dpkg-deb -x "$deb" "$dir.tmp"; done
+  rm -rf "$dir.tmp"/usr/share/doc "$dir.tmp"/usr/share/locale "$dir.tmp"/usr/share/man
+  for path in $drop; do rm -rf "${dir:?}.tmp/$path"; done
+  (cd "$work"/debs && ls -1 ./*.deb | sed 's|^\./||') >"$dir.tmp"/PACKAGES
+  local libs resolved system binary
+  libs=$(find "$PWD/$dir.tmp" -maxdepth 3 -type d -name '*-linux-gnu*' -path '*/lib/*' | paste -sd:)
   # Every library resolves, and from the unpacked tree, except glibc's and the C++ runtime's.
-  for binary in postgres initdb pg_ctl; do
-    resolved=$(LD_LIBRARY_PATH=$libs ldd "$pg_dir.tmp/usr/lib/postgresql/15/bin/$binary")
-    system=$(echo "$resolved" | grep '=>' | grep -v "=> $PWD/$pg_dir.tmp/" |
+  for binary in $binaries; do
+    resolved=$(LD_LIBRARY_PATH=$libs ldd "$dir.tmp/$binary")
+    system=$(echo "$resolved" | grep '=>' | grep -v "=> $PWD/$dir.tmp/" |
       grep -vE '^\s*(libc|libm|libresolv|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so' || true)
     if [ -n "$system" ]; then
-      echo "install: $binary from $pg_dir needs libraries it does not ship:" >&2
+      echo "install: $binary from $dir needs libraries it does not ship:" >&2
       echo "$system" >&2
       exit 1
     fi
   done
   rm -rf "$work"
-  mv "$pg_dir.tmp" "$pg_dir"
-  touch "$pg_stamp"
-fi
+  mv "$dir.tmp" "$dir"
+  touch "$stamp"
+}
+
+# PostgreSQL 15: the Dagster instance on Postgres (tests/deploy, deploy/production) and the
+# demo's and tests' CDC source (logical decoding, devtools/postgres.py). JIT is off (no LLVM).
+debian_unpack postgresql "postgresql-15 libpq5 libicu72 libxml2 libldap-2.5-0 libsasl2-2
+  libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 libssl3
+  liblz4-1 libzstd1 liblzma5 zlib1g libsystemd0 libcap2 libgcrypt20 libgpg-error0 libpam0g
+  libaudit1 libcap-ng0 libgnutls30 libp11-kit0 libidn2-0 libunistring2 libtasn1-6 libnettle8
+  libhogweed6 libgmp10 libffi8" \
+  "usr/lib/postgresql/15/bin/postgres usr/lib/postgresql/15/bin/initdb
+  usr/lib/postgresql/15/bin/pg_ctl" \
+  "usr/lib/postgresql/15/lib/bitcode usr/share/postgresql/15/man"
+
+# MariaDB 10.11: the MySQL-family CDC source of the tests (devtools/mariadb.py).
+debian_unpack mariadb "mariadb-server-core mariadb-client-core libcrypt1 libnuma1 libpcre2-8-0
+  liburing2 libaio1 libsnappy1v5 libssl3 libsystemd0 liblz4-1 libzstd1 libcap2 libgcrypt20
+  libgpg-error0 zlib1g liblzma5 libedit2 libbsd0 libmd0 libtinfo6 libncurses6" \
+  "usr/sbin/mariadbd usr/bin/mariadb usr/bin/my_print_defaults" \
+  "usr/share/mysql/mysql-test"
+
+# libfaketime: the Kafka Connect worker of the tests and the demo's seeding runs on a clock set
+# to the hour being produced, so Kafka stamps the records with it (devtools/kafka_connect.py).
+debian_unpack faketime "libfaketime" "usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
