@@ -167,10 +167,14 @@ class Encoding:
         return text if self.scale is None else f"{text}(scale={self.scale})"
 
 
+# JsonConverter names Connect's FLOAT32 and FLOAT64 "float" and "double" in its schemas.
+_JSON_SCHEMA_TYPES = {"float": "float32", "double": "float64"}
+
+
 def from_connect_schema(schema: Mapping[str, Any]) -> Encoding:
     """The encoding a Connect field schema describes (JsonConverter's schema JSON)."""
     params = schema.get("parameters") or {}
-    kind = schema.get("type")
+    kind = _JSON_SCHEMA_TYPES.get(schema.get("type"), schema.get("type"))
     if kind == "array":
         items = schema.get("items")
         return Encoding("array", schema.get("name"), items=from_connect_schema(items or {}))

@@ -178,6 +178,12 @@ def test_declared_types_that_cannot_hold_the_encoding_name_the_type_that_can():
     assert "declare it string" in refused("bigint", _schema("string"), "1")
 
 
+def test_json_converter_type_names():
+    # JsonConverter writes Connect's FLOAT32/FLOAT64 as "float"/"double" (a real connector's).
+    assert convert("float", enc.from_connect_schema({"type": "float"}), 1.5) == 1.5
+    assert convert("double", enc.from_connect_schema({"type": "double"}), 2) == 2.0
+
+
 def test_integers_and_booleans_are_strict():
     assert "out of the range of int" in refused("int", _schema("int32"), 2**31)
     assert "holds a string where" in refused("bigint", _schema("int64"), "42")

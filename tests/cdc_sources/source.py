@@ -1,0 +1,224 @@
+"""Driving a real source database through its real Debezium connector, and reading it back.
+
+`Capture` registers one connector for a test's tables (topics of its own), runs the test's SQL at
+a chosen hour (the Connect worker's clock is set to it, so Kafka stamps the records with it) and
+waits until the connector published every change the statements made. `source_rows` reads the
+tables with a plain database client, independent of the pipeline, typed as the mirror's rows
+are (`mirror_rows`), so the two compare with ==.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as time_of_day
+from decimal import Decimal
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+from pyspark.sql import SparkSession
+
+from cdc_assets.config import TableSpec
+from devtools import kafka_connect, mariadb, postgres
+from tests.support import mirror_rows
+
+PG_PASSWORD_ENV = "CDC_TEST_PG_PASSWORD"
+MY_PASSWORD_ENV = "CDC_TEST_MARIADB_PASSWORD"
+
+
+@dataclass
+class Sources:
+    broker: str
+    postgres: postgres.PostgresConfig
+    mariadb: mariadb.MariaDBConfig
+    worker: kafka_connect.ConnectConfig
+    passwords: Mapping[str, str] = field(repr=False)
+
+    def sql(self, kind: str):
+        """A new autocommit connection to the source database of `kind`."""
+        if kind == "postgres":
+            connection = postgres.connect(self.postgres, self.passwords[PG_PASSWORD_ENV])
+            connection.autocommit = True
+            return connection
+        return mariadb.connect(self.mariadb, self.passwords[MY_PASSWORD_ENV])
+
+
+class Capture:
+    """One Debezium connector capturing `tables` of a source, on topics of its own.
+
+    `expect(table, n)` counts the records the connector owes for the statements a test ran
+    (an insert or update 1, a delete 2 with its tombstone, a primary-key update 3); `settle`
+    waits until the topics hold at least that many (more after a restart: at least once).
+    """
+
+    def __init__(
+        self,
+        sources: Sources,
+        kind: str,
+        tables: list[str],
+        *,
+        name: str | None = None,
+        schemas: bool = True,
+        extra: Mapping[str, str] | None = None,
+        partitions: int = 3,
+    ) -> None:
+        self.sources, self.kind, self.tables = sources, kind, tables
+        self.name = name or f"t{uuid.uuid4().hex[:10]}"
+        self.schemas = schemas
+        namespace = "public" if kind == "postgres" else sources.mariadb.database
+        self._qualified = {t: f"{namespace}.{t}" for t in tables}
+        config = sources.postgres if kind == "postgres" else sources.mariadb
+        self.settings = kafka_connect.connector_settings(
+            kind=kind,
+            topic_prefix=self.name,
+            host="127.0.0.1",
+            port=config.port,
+            database=config.database,
+            user=config.username,
+            password_env=PG_PASSWORD_ENV if kind == "postgres" else MY_PASSWORD_ENV,
+            tables=list(self._qualified.values()),
+            schemas=schemas,
+            partitions=partitions,
+            extra=extra,
+        )
+        self.expected = {t: 0 for t in tables}
+
+    def topic(self, table: str) -> str:
+        return f"{self.name}.{self._qualified[table]}"
+
+    def start(self) -> None:
+        kafka_connect.put_connector(self.sources.worker, self.name, self.settings)
+        kafka_connect.wait_running(self.sources.worker, self.name)
+
+    def stop(self) -> None:
+        kafka_connect.delete_connector(self.sources.worker, self.name)
+
+    def expect(self, table: str, records: int) -> None:
+        self.expected[table] += records
+
+    def settle(self, timeout_s: float = 120) -> dict[str, int]:
+        """Waits until every topic holds its expected records; returns the counts."""
+        deadline = time.monotonic() + timeout_s
+        counts: dict[str, int] = {}
+        while True:
+            counts = {t: topic_size(self.sources.broker, self.topic(t)) for t in self.tables}
+            if all(counts[t] >= n for t, n in self.expected.items()):
+                return counts
+            if time.monotonic() > deadline:
+                status = kafka_connect.connector_status(self.sources.worker, self.name)
+                raise AssertionError(
+                    f"connector {self.name} published {counts}, expected {self.expected}; "
+                    f"status {status}"
+                )
+            time.sleep(0.3)
+
+
+def at_hour(sources: Sources, hour: datetime, minute: int = 10) -> None:
+    """Sets the Connect worker's clock to `minute` past `hour` (call only once settled)."""
+    kafka_connect.set_clock(sources.worker, hour + timedelta(minutes=minute))
+
+
+def topic_size(broker: str, topic: str) -> int:
+    consumer = KafkaConsumer(bootstrap_servers=broker, enable_auto_commit=False)
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in partitions]
+        if not tps:
+            return 0
+        starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+        return sum(ends[tp] - starts[tp] for tp in tps)
+    finally:
+        consumer.close()
+
+
+# --- the source's rows, typed as the mirror's ---------------------------------------------------
+
+
+def source_rows(
+    connection, table: str, spec: TableSpec, *, selects: Mapping[str, str] | None = None
+) -> dict[tuple, dict]:
+    """Every row of `table` (plain SELECT), normalized per the spec's declared types.
+
+    `selects` replaces a column by an SQL expression (a value the client library can't return
+    as the source shows it, e.g. MySQL's BIT as its bit string).
+    """
+    columns = list(spec.columns)
+    quote = '"' if "psycopg2" in type(connection).__module__ else "`"
+    select = ", ".join((selects or {}).get(c, f"{quote}{c}{quote}") for c in columns)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {select} FROM {quote}{table}{quote}")  # test tables only
+        fetched = cursor.fetchall()
+    rows = {}
+    for values in fetched:
+        row = {c: normalize(spec.columns[c], v) for c, v in zip(columns, values, strict=True)}
+        rows[tuple(row[k] for k in spec.primary_key)] = row
+    return rows
+
+
+def mirror_live_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:
+    """The mirror's live rows, normalized as `source_rows`."""
+    return {
+        key: {c: normalize(spec.columns[c], row[c]) for c in spec.columns}
+        for key, row in mirror_rows(spark, path, spec).items()
+    }
+
+
+def normalize(declared: str, value: Any) -> Any:
+    """One value as both sides compare it (the source's client types differ from Spark's)."""
+    if value is None:
+        return None
+    if declared.startswith("array<"):
+        item = declared[len("array<") : -1]
+        return [normalize(item, v) for v in value]
+    if declared == "timestamp":
+        if isinstance(value, datetime):
+            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    if declared == "time":
+        if isinstance(value, timedelta):  # MySQL's TIME
+            micros = value // timedelta(microseconds=1)
+            return f"{micros // 3_600_000_000:02d}:{micros // 60_000_000 % 60:02d}:" \
+                f"{micros // 1_000_000 % 60:02d}.{micros % 1_000_000:06d}"  # fmt: skip
+        if isinstance(value, time_of_day):
+            return value.strftime("%H:%M:%S.%f")
+        return value
+    if declared == "boolean" and value in ("0", "1"):  # Postgres' bit(1) through psycopg2
+        return value == "1"
+    if declared == "float":
+        return struct.unpack("f", struct.pack("f", value))[0]
+    if declared == "binary":
+        return bytes(value)
+    if declared == "bigint" and isinstance(value, timedelta):  # interval → MicroDuration
+        return value // timedelta(microseconds=1)
+    if declared == "string":
+        return _normalize_text(value)
+    if isinstance(value, Decimal | date | int | float | bool):
+        return value
+    return value
+
+
+def _normalize_text(value: Any) -> Any:
+    if isinstance(value, dict | list):  # json/jsonb through psycopg2
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, time_of_day):  # timetz: Debezium's ZonedTime is UTC, 'Z'
+        moment = datetime.combine(date(2000, 1, 1), value).astimezone(UTC)
+        return moment.strftime("%H:%M:%S.%f") + "Z"
+    if isinstance(value, set):  # MySQL SET
+        return ",".join(sorted(value))
+    if isinstance(value, bytes | bytearray):  # MySQL BIT: big-endian
+        return value.hex()
+    if isinstance(value, str):
+        text = value.strip()
+        if text[:1] in "{[":
+            try:
+                return json.dumps(json.loads(text), sort_keys=True)
+            except ValueError:
+                return value
+        if len(text) > 9 and text.endswith("Z") and text[2] == ":" and "T" not in text:
+            clock, _, fraction = text[:-1].partition(".")
+            return f"{clock}.{fraction.ljust(6, '0')[:6]}Z"
+    return value
