@@ -1,7 +1,4 @@
-"""The demo shop: an in-memory source database that emits Debezium change events into Kafka.
-
-`demo.source` simulates the database and its Debezium connector (including the connector's
-bad habits: duplicates, late timestamps, malformed records), `demo.produce` writes the events
-to a real broker, and `demo.reference` is an independent replay that says what each mirror
-table must contain.
+"""The demo shop: a real Postgres database captured by Debezium (`demo.shop`), and generated
+Debezium events for the tests (`demo.source`, written to Kafka by `demo.produce`) with the
+independent replay that says what each mirror table must contain (`demo.reference`).
 """

@@ -1,19 +1,16 @@
-"""Writes `DemoRecord`s to Kafka, and a command line that seeds or follows the demo topics.
+"""Writes generated `DemoRecord`s to Kafka, and a command line that seeds topics with them.
+
+The generated events (demo/source.py) cover what a real database can't be made to produce on
+demand (malformed records, late producer timestamps, foreign keys); the demo itself runs on a
+real Postgres and its Debezium connector (demo/shop.py).
 
 Keys are partitioned by kafka-python's default partitioner (murmur2, as in the Java client),
 so one primary key always lands in one partition. Records carry their own CreateTime
 (`DemoRecord.timestamp_ms`), late ones included.
 
-Command line, once (seeds the last N closed UTC hours, default 6, and exits)::
+Command line (seeds the last N closed UTC hours, default 6, and exits)::
 
     python -m demo.produce --bootstrap 127.0.0.1:19092 --hours 6 --changes-per-hour 200 --seed 7
-
-or live (`demo.live`: seeds the last N closed hours, default 3, on its first start, then keeps
-writing the current hour's changes as the clock reaches them, until SIGTERM or SIGINT; the
-source database persists in the state file, so a restart continues it)::
-
-    python -m demo.produce --follow --state .local/demo/source.pickle --hours 3 \
-        --changes-per-hour 200 --bootstrap 127.0.0.1:19092
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.errors import TopicAlreadyExistsError
@@ -35,7 +31,6 @@ from demo.source import RECORD_KINDS, DemoRecord, DemoSource
 # CreateTime is Kafka's default; stated so a broker default of LogAppendTime cannot replace
 # the demo's (deliberately late) producer timestamps.
 DEFAULT_TOPIC_CONFIGS: Mapping[str, str] = {"message.timestamp.type": "CreateTime"}
-DEFAULT_STATE_FILE = Path(__file__).resolve().parents[1] / ".local" / "demo" / "source.pickle"
 _SEND_TIMEOUT_S = 60
 
 
@@ -167,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hours",
         type=int,
         default=None,
-        help="closed UTC hours to seed (default 6; with --follow 3, and only on the first start)",
+        help="closed UTC hours to seed (default 6)",
     )
     parser.add_argument("--changes-per-hour", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
@@ -178,33 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="orders",
         help="comma-separated tables sent with the schema/payload wrapper ('' for none)",
     )
-    parser.add_argument(
-        "--follow",
-        action="store_true",
-        help="keep producing the current hour's changes live, until SIGTERM or SIGINT",
-    )
-    parser.add_argument(
-        "--state",
-        default=str(DEFAULT_STATE_FILE),
-        help="with --follow: the source database's state file, continued on restart",
-    )
-    parser.add_argument(
-        "--max-catch-up-hours",
-        type=int,
-        default=24,
-        help="with --follow: most missed hours generated on restart (older ones stay empty)",
-    )
     args = parser.parse_args(argv)
     if args.changes_per_hour < 1:
         parser.error("--changes-per-hour must be at least 1")
-    if args.follow:
-        args.hours = 3 if args.hours is None else args.hours
-        if args.hours < 0 or args.max_catch_up_hours < 0:
-            parser.error("--hours and --max-catch-up-hours must not be negative")
-        # Imported here: demo.live builds on this module.
-        from demo import live
-
-        return live.run(args)
     args.hours = 6 if args.hours is None else args.hours
     if args.hours < 1:
         parser.error("--hours must be at least 1")

@@ -356,6 +356,40 @@ def connector_settings(
     return settings | dict(extra or {})
 
 
+def topic_sizes(bootstrap: str, topics: list[str]) -> dict[str, int]:
+    """How many records each topic holds (0 for one that doesn't exist yet)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        sizes = {}
+        for topic in topics:
+            tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+            starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+            sizes[topic] = sum(ends[tp] - starts[tp] for tp in tps)
+        return sizes
+    finally:
+        consumer.close()
+
+
+def wait_published(
+    config: ConnectConfig, name: str, expected: Mapping[str, int], timeout_s: float = 120
+) -> dict[str, int]:
+    """Waits until each topic holds at least its expected records (the connector published
+    every change made so far); raises with the connector's status when it doesn't in time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sizes = topic_sizes(config.bootstrap, list(expected))
+        if all(sizes[t] >= n for t, n in expected.items()):
+            return sizes
+        if time.monotonic() > deadline:
+            raise ConnectError(
+                f"connector {name} published {sizes}, expected at least {dict(expected)} "
+                f"within {timeout_s:g}s; status {connector_status(config, name)}"
+            )
+        time.sleep(0.3)
+
+
 # --- the process ---------------------------------------------------------------------------------
 
 

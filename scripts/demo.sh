@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The demo on the embedded defaults: installs what is missing, starts the local Kafka broker and
-# the demo producer (in the background: on its first start it seeds the last few closed hours of
-# demo CDC events, then keeps writing the current hour's changes as they happen), and starts the
-# Dagster UI on the demo tables. Ctrl-C stops Dagster and the producer; `scripts/demo.sh --stop`
-# stops the producer and the broker, and `scripts/demo.sh --reset` wipes the local broker data,
-# the producer's source database, the lake and the Dagster history first.
+# the demo shop's real source (demo/shop.py, in the background: PostgreSQL with logical decoding,
+# a Kafka Connect worker and Debezium's Postgres connector with its default settings; on its
+# first start it writes the last few closed hours of changes, then keeps changing the shop at the
+# current time), and starts the Dagster UI on the demo tables. Ctrl-C stops Dagster and the
+# shop's workload; `scripts/demo.sh --stop` stops the workload, the source, the Connect worker and
+# the broker, and `scripts/demo.sh --reset` wipes the broker data, the shop's database, the
+# lake and the Dagster history first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -14,19 +16,19 @@ export CDC_KAFKA_DATA_DIR=${CDC_KAFKA_DATA_DIR:-$root/.local/kafka}
 export CDC_LAKE_ROOT=${CDC_LAKE_ROOT:-$root/.local/lake}
 export DAGSTER_HOME=${DAGSTER_HOME:-$root/.local/dagster}
 port=${DAGSTER_PORT:-3000}
-hours=${DEMO_HOURS:-3}                      # closed hours seeded on the producer's first start
+hours=${DEMO_HOURS:-3}                      # closed hours seeded on the first start
 changes=${DEMO_CHANGES_PER_HOUR:-200}
-demo_dir=${DEMO_DIR:-$root/.local/demo}     # the producer's state, pid and log
-producer_pid_file=$demo_dir/producer.pid
-producer_log=$demo_dir/producer.log
+demo_dir=${DEMO_DIR:-$root/.local/demo}     # the workload's pid, log and tables file
+shop_pid_file=$demo_dir/shop.pid
+shop_log=$demo_dir/shop.log
 
-# Prints the pid of the running producer of $demo_dir; fails if there is none.
-producer_pid() {
+# Prints the pid of the running shop workload; fails if there is none.
+shop_pid() {
   local pid args
-  pid=$(cat "$producer_pid_file" 2>/dev/null) || return 1
+  pid=$(cat "$shop_pid_file" 2>/dev/null) || return 1
   # A reused pid, or an exited one (a zombie has no command line), is not ours.
   args=$(ps -o args= -p "$pid" 2>/dev/null) || return 1
-  [[ $args == *"demo.produce --follow"* ]] || return 1
+  [[ $args == *"demo.shop up"* ]] || return 1
   echo "$pid"
 }
 
@@ -37,35 +39,43 @@ alive() {
   [[ -n $stat && $stat != Z* ]]
 }
 
-# Whether the producer log has said it is up since line $1.
-producer_up() {
-  awk -v from="$1" 'NR >= from && /following:/ { up = 1; exit } END { exit !up }' "$producer_log"
+# Whether the shop's log has said it follows the clock since line $1.
+shop_up() {
+  awk -v from="$1" 'NR >= from && /following:/ { up = 1; exit } END { exit !up }' "$shop_log"
 }
 
-stop_producer() {
+stop_shop() {
   local pid
-  if pid=$(producer_pid); then
+  if pid=$(shop_pid); then
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 150); do producer_pid >/dev/null || break; sleep 0.1; done
-    if producer_pid >/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
-    echo "demo: producer stopped (pid $pid)"
+    for _ in $(seq 1 150); do shop_pid >/dev/null || break; sleep 0.1; done
+    if shop_pid >/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+    echo "demo: shop workload stopped (pid $pid)"
   fi
-  rm -f "$producer_pid_file"
+  rm -f "$shop_pid_file"
+}
+
+stop_servers() {
+  [ -x .venv/bin/python ] || return 0
+  .venv/bin/python -m demo.shop down --bootstrap "127.0.0.1:$CDC_KAFKA_PORT" || true
+  .venv/bin/python -m devtools.kafka_broker stop || true
 }
 
 case "${1:-}" in
   --stop)
-    stop_producer
-    exec .venv/bin/python -m devtools.kafka_broker stop ;;
+    stop_shop
+    stop_servers
+    exit 0 ;;
   --reset)
-    stop_producer
-    [ -x .venv/bin/python ] && .venv/bin/python -m devtools.kafka_broker stop || true
-    rm -rf "$CDC_KAFKA_DATA_DIR" "$CDC_LAKE_ROOT" "$DAGSTER_HOME" "$demo_dir" ;;
+    stop_shop
+    stop_servers
+    rm -rf "$CDC_KAFKA_DATA_DIR" "$CDC_LAKE_ROOT" "$DAGSTER_HOME" "$demo_dir" \
+      "$root/.local/shop-db" "$root/.local/connect" ;;
   "") ;;
   *) echo "usage: scripts/demo.sh [--stop|--reset]" >&2; exit 2 ;;
 esac
 
-# A second demo would fail on the port, and its exit would stop the first one's producer.
+# A second demo would fail on the port, and its exit would stop the first one's workload.
 if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
   echo "demo: port $port is in use (the demo already runs?); choose another with DAGSTER_PORT" >&2
   exit 1
@@ -76,42 +86,51 @@ export CDC_KAFKA_BOOTSTRAP_SERVERS
 CDC_KAFKA_BOOTSTRAP_SERVERS=$(.venv/bin/python -m devtools.kafka_broker start)
 
 mkdir -p "$demo_dir"
-trap stop_producer EXIT
+trap stop_shop EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
-if pid=$(producer_pid); then
-  echo "demo: the producer already runs (pid $pid)"
+if pid=$(shop_pid); then
+  echo "demo: the shop workload already runs (pid $pid)"
 else
   log_start=1
-  [ -f "$producer_log" ] && log_start=$(($(wc -l < "$producer_log") + 1))
-  nohup .venv/bin/python -m demo.produce --follow --state "$demo_dir/source.pickle" \
-    --bootstrap "$CDC_KAFKA_BOOTSTRAP_SERVERS" --hours "$hours" --changes-per-hour "$changes" \
-    < /dev/null >> "$producer_log" 2>&1 &
+  [ -f "$shop_log" ] && log_start=$(($(wc -l < "$shop_log") + 1))
+  echo "demo: starting the shop's Postgres, Kafka Connect and Debezium (first start: seeding" \
+    "$hours hours; log $shop_log)"
+  nohup .venv/bin/python -m demo.shop up --bootstrap "$CDC_KAFKA_BOOTSTRAP_SERVERS" \
+    --hours "$hours" --changes-per-hour "$changes" < /dev/null >> "$shop_log" 2>&1 &
   pid=$!
-  echo "$pid" > "$producer_pid_file"
-  # Up once it says so; a state it cannot continue makes it exit with the reason.
-  for _ in $(seq 1 600); do
-    producer_up "$log_start" && break
+  echo "$pid" > "$shop_pid_file"
+  # Up once it says so; a source that cannot start makes it exit with the reason.
+  for _ in $(seq 1 3000); do
+    shop_up "$log_start" && break
     if ! alive "$pid"; then
-      echo "demo: the producer did not start:" >&2
-      tail -n "+$log_start" "$producer_log" >&2
+      echo "demo: the shop did not start:" >&2
+      tail -n "+$log_start" "$shop_log" >&2
       exit 1
     fi
     sleep 0.1
   done
-  awk -v from="$log_start" 'NR >= from && /following:/ { print "demo: producer " $0 }' \
-    "$producer_log"
+  if ! shop_up "$log_start"; then
+    echo "demo: the shop did not start within 5 minutes:" >&2
+    tail -n "+$log_start" "$shop_log" >&2
+    exit 1
+  fi
+  awk -v from="$log_start" 'NR >= from && /seeded:|following:/ { print "demo: shop " $0 }' \
+    "$shop_log"
 fi
+# The demo's tables, their partitions starting at the demo's first hour (demo/shop.py writes it).
+export CDC_TABLES_FILE=$demo_dir/tables.yaml
 
 mkdir -p "$DAGSTER_HOME"
 [ -f "$DAGSTER_HOME/dagster.yaml" ] || cp deploy/local/dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 echo
 echo "  Dagster UI:  http://127.0.0.1:$port   (assets: customers, orders, order_items)"
-echo "  Producer:    ~$changes changes per hour at the current time (pid $pid)"
-echo "               log: $producer_log"
+echo "  Source:      Postgres on 127.0.0.1:15433 (database shop), Debezium in Kafka Connect"
+echo "               on http://127.0.0.1:18083, ~$changes changes per table and hour (pid $pid)"
+echo "               log: $shop_log"
 echo "  Each hour is materialized once it closes; older hours from an asset's Partitions tab."
 echo "  Lake: $CDC_LAKE_ROOT   Broker log: $CDC_KAFKA_DATA_DIR/logs"
 echo
-# Not exec: the EXIT trap stops the producer when Dagster stops (Ctrl-C).
+# Not exec: the EXIT trap stops the workload when Dagster stops (Ctrl-C).
 .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "$port"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from datetime import time as time_of_day
 from decimal import Decimal
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import TableSpec
@@ -103,37 +101,13 @@ class Capture:
 
     def settle(self, timeout_s: float = 120) -> dict[str, int]:
         """Waits until every topic holds its expected records; returns the counts."""
-        deadline = time.monotonic() + timeout_s
-        counts: dict[str, int] = {}
-        while True:
-            counts = {t: topic_size(self.sources.broker, self.topic(t)) for t in self.tables}
-            if all(counts[t] >= n for t, n in self.expected.items()):
-                return counts
-            if time.monotonic() > deadline:
-                status = kafka_connect.connector_status(self.sources.worker, self.name)
-                raise AssertionError(
-                    f"connector {self.name} published {counts}, expected {self.expected}; "
-                    f"status {status}"
-                )
-            time.sleep(0.3)
+        expected = {self.topic(t): n for t, n in self.expected.items()}
+        return kafka_connect.wait_published(self.sources.worker, self.name, expected, timeout_s)
 
 
 def at_hour(sources: Sources, hour: datetime, minute: int = 10) -> None:
     """Sets the Connect worker's clock to `minute` past `hour` (call only once settled)."""
     kafka_connect.set_clock(sources.worker, hour + timedelta(minutes=minute))
-
-
-def topic_size(broker: str, topic: str) -> int:
-    consumer = KafkaConsumer(bootstrap_servers=broker, enable_auto_commit=False)
-    try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in partitions]
-        if not tps:
-            return 0
-        starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
-        return sum(ends[tp] - starts[tp] for tp in tps)
-    finally:
-        consumer.close()
 
 
 # --- the source's rows, typed as the mirror's ---------------------------------------------------
