@@ -200,23 +200,41 @@ class SourceShape:
     without); `mismatches`: declared column → why its encoding doesn't fit its declared type;
     `types`: undeclared column → the declared type that would hold it; `schemas`: whether the
     records carried a Connect schema (True, False, or both).
+
+    Without a schema, a record's JSON kind is all there is: `json_mismatches` holds the columns
+    some value arrived in a kind the config doesn't read, `json_fitted` those some value arrived
+    in the kind it does. One malformed record is an error row, not drift; a column no value of
+    the hour arrived in its configured kind is drift (`drifted`).
     """
 
     fields: dict[str, set[str]] = field(default_factory=dict)
     mismatches: dict[str, set[str]] = field(default_factory=dict)
     types: dict[str, set[str]] = field(default_factory=dict)
     schemas: set[bool] = field(default_factory=set)
+    json_mismatches: dict[str, set[str]] = field(default_factory=dict)
+    json_fitted: set[str] = field(default_factory=set)
 
     def merge(self, other: SourceShape) -> SourceShape:
         for mine, theirs in (
             (self.fields, other.fields),
             (self.mismatches, other.mismatches),
             (self.types, other.types),
+            (self.json_mismatches, other.json_mismatches),
         ):
             for name, values in theirs.items():
                 mine.setdefault(name, set()).update(values)
         self.schemas |= other.schemas
+        self.json_fitted |= other.json_fitted
         return self
+
+    def drifted(self) -> dict[str, set[str]]:
+        """Declared columns whose encoding changed: a schema says so, or no schema-less value
+        of the hour arrived in the kind the config reads."""
+        out = {name: set(reasons) for name, reasons in self.mismatches.items()}
+        for name, reasons in self.json_mismatches.items():
+            if name not in self.json_fitted:
+                out.setdefault(name, set()).update(reasons)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(
@@ -225,6 +243,8 @@ class SourceShape:
                 "mismatches": {k: sorted(v) for k, v in self.mismatches.items()},
                 "types": {k: sorted(v) for k, v in self.types.items()},
                 "schemas": sorted(self.schemas),
+                "json_mismatches": {k: sorted(v) for k, v in self.json_mismatches.items()},
+                "json_fitted": sorted(self.json_fitted),
             },
             sort_keys=True,
         )
@@ -237,6 +257,8 @@ class SourceShape:
             mismatches={k: set(v) for k, v in raw["mismatches"].items()},
             types={k: set(v) for k, v in raw["types"].items()},
             schemas=set(raw["schemas"]),
+            json_mismatches={k: set(v) for k, v in raw.get("json_mismatches", {}).items()},
+            json_fitted=set(raw.get("json_fitted", ())),
         )
 
     @classmethod
@@ -640,9 +662,11 @@ class RecordDecoder:
             elif name not in self.plan.added:
                 configured = self.plan.configured[self._index[name]]
                 wrong = {k for k in kinds if k != "null" and k not in _json_kind_of(configured)}
+                if kinds - wrong - {"null"}:
+                    shape.json_fitted.add(name)
                 if wrong:
                     declared = self.plan.columns[self._index[name]][1]
-                    shape.mismatches.setdefault(name, set()).add(
+                    shape.json_mismatches.setdefault(name, set()).add(
                         f"column '{name}' ({declared}) arrives as JSON "
                         f"{'/'.join(sorted(wrong))}, but the table's config reads it as "
                         f"{configured.describe()}"

@@ -277,7 +277,7 @@ def schema_drift_result(
         return _verdict(SCHEMA_DRIFT, policy, [], metadata, note=note)
     appeared = sorted(set(observed) - set(spec.columns))
     vanished = sorted(set(spec.columns) - set(observed))
-    changed = {column: sorted(reasons) for column, reasons in sorted(shape.mismatches.items())}
+    changed = {column: sorted(reasons) for column, reasons in sorted(shape.drifted().items())}
     problems = []
     if appeared:
         problems.append(f"columns not in the tables file appeared: {', '.join(appeared)}")

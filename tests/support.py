@@ -12,7 +12,7 @@ from pyspark.sql import functions as F
 from cdc_assets.config import TableSpec, load_tables, spark_type
 from cdc_assets.merge import live_rows
 from demo.produce import ProducedRecord, produce
-from demo.source import DemoSource
+from demo.source import DemoSource, as_generated
 
 HOUR_KEY = "%Y-%m-%d-%H:%M"
 # Old enough to be closed, recent enough that every spec's start_hour precedes it.
@@ -23,8 +23,8 @@ def demo_specs(prefix: str) -> list[TableSpec]:
     """The demo tables of tables.yaml, on topics private to one test, read as the demo
     generator (demo/source.py) writes them: decimals as text (decimal.handling.mode=string)."""
     return [
-        spec.model_copy(update={"topic": f"{prefix}.{spec.topic}", "decimal_handling": "string"})
-        for spec in load_tables()
+        spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"})
+        for spec in as_generated(load_tables())
     ]
 
 

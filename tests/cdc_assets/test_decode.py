@@ -132,6 +132,28 @@ def test_without_a_schema_the_tables_config_decides():
     assert shape.fields["balance"] == {"json:string"} and shape.schemas == {False}
 
 
+def test_without_a_schema_one_bad_value_is_an_error_row_and_every_value_bad_is_drift():
+    text = SPEC.model_copy(update={"decimal_handling": "string"})
+
+    def changes(balances: list) -> list[tuple]:
+        return [
+            (b'{"id":%d}' % n, _value("c", {"id": n, "balance": b, "note": "x"}, n))
+            for n, b in enumerate(balances, start=1)
+        ]
+
+    rows = _decode(changes(["1.00", 7, "2.50"]), text)
+    assert [r[ERROR] is None for r in rows] == [True, False, True]
+    assert SourceShape.combine(r[SHAPE] for r in rows).drifted() == {}
+    # The connector now sends numbers (decimal.handling.mode=double): drift, and every change
+    # an error naming the fix.
+    rows = _decode(changes([1.0, 7, 2.5]), text)
+    assert all(r[ERROR] for r in rows)
+    drifted = SourceShape.combine(r[SHAPE] for r in rows).drifted()
+    assert list(drifted) == ["balance"] and "arrives as JSON integer/number" in next(
+        iter(drifted["balance"])
+    )
+
+
 def test_a_delete_takes_its_key_from_the_kafka_key_and_a_foreign_key_is_refused():
     rows = _decode(
         [

@@ -19,10 +19,10 @@ import pytest
 
 from cdc_assets.config import TableSpec, load_tables
 from demo.reference import replay, replay_with_errors
-from demo.source import DEMO_TABLES, DemoRecord, DemoSource
+from demo.source import DEMO_TABLES, DemoRecord, DemoSource, as_generated
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = {spec.name: spec for spec in load_tables()}
+SPECS = {spec.name: spec for spec in as_generated(load_tables())}
 HOURS = [datetime(2026, 11, 1, 0, tzinfo=UTC) + timedelta(hours=n) for n in range(4)]
 HOUR_MS = 3_600_000
 ERROR_CATEGORIES = ("invalid json", "missing op", "unknown op", "wrong type", "missing primary key")
@@ -515,6 +515,7 @@ def test_reference_reads_the_timestamp_unit_from_the_wrapper_schema() -> None:
         "country": "DE",
         "is_active": True,
         "created_at": 1_700_000_000_123,
+        "bio": "",
     }
     schema = {
         "type": "struct",

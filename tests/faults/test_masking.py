@@ -53,6 +53,7 @@ def _spec(topic: str) -> TableSpec:
             "seen_at": "timestamp",
         },
         start_hour="2026-11-01-00:00",
+        decimal_handling="string",  # the events below carry salaries as text
         sensitive={"email": "hash", "ssn": "drop", "salary": "hash", "seen_at": "hash"},
         expectations=(
             {"column": "email", "expect": "not_null", "hard": True},
