@@ -171,6 +171,12 @@ class LakeResource(dg.ConfigurableResource):
     def table_path(self, table: str) -> str:
         return f"{self.root_uri}/{table}"
 
+    def s3_client(self):
+        """A boto3 client for an S3 root (the lake's own settings), None for a local root."""
+        if s3_location(self.root) is None:
+            return None
+        return (self.s3 or S3Resource()).get_client()
+
     def connect(self, spark: SparkSession) -> None:
         """Points `spark` at the lake: for an S3 root, S3A's settings for its bucket, checked.
 
