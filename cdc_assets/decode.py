@@ -202,9 +202,11 @@ class SourceShape:
     records carried a Connect schema (True, False, or both).
 
     Without a schema, a record's JSON kind is all there is: `json_mismatches` holds the columns
-    some value arrived in a kind the config doesn't read, `json_fitted` those some value arrived
-    in the kind it does. One malformed record is an error row, not drift; a column no value of
-    the hour arrived in its configured kind is drift (`drifted`).
+    some value arrived in a kind the config doesn't read, and `json_newest` the kind of each
+    column's newest value per partition ([offset, mismatch reason or None]). One malformed
+    record among good ones is an error row, not drift; a column whose newest value in some
+    partition arrived in a kind the config doesn't read is drift: the source now sends it so
+    (`drifted`).
     """
 
     fields: dict[str, set[str]] = field(default_factory=dict)
@@ -212,7 +214,7 @@ class SourceShape:
     types: dict[str, set[str]] = field(default_factory=dict)
     schemas: set[bool] = field(default_factory=set)
     json_mismatches: dict[str, set[str]] = field(default_factory=dict)
-    json_fitted: set[str] = field(default_factory=set)
+    json_newest: dict[str, dict[str, list]] = field(default_factory=dict)
 
     def merge(self, other: SourceShape) -> SourceShape:
         for mine, theirs in (
@@ -224,16 +226,21 @@ class SourceShape:
             for name, values in theirs.items():
                 mine.setdefault(name, set()).update(values)
         self.schemas |= other.schemas
-        self.json_fitted |= other.json_fitted
+        for name, by_partition in other.json_newest.items():
+            mine = self.json_newest.setdefault(name, {})
+            for partition, entry in by_partition.items():
+                if partition not in mine or entry[0] > mine[partition][0]:
+                    mine[partition] = list(entry)
         return self
 
     def drifted(self) -> dict[str, set[str]]:
-        """Declared columns whose encoding changed: a schema says so, or no schema-less value
-        of the hour arrived in the kind the config reads."""
+        """Declared columns whose encoding changed: a schema says so, or a schema-less column's
+        newest value in some partition arrived in a kind the config doesn't read."""
         out = {name: set(reasons) for name, reasons in self.mismatches.items()}
-        for name, reasons in self.json_mismatches.items():
-            if name not in self.json_fitted:
-                out.setdefault(name, set()).update(reasons)
+        for name, by_partition in self.json_newest.items():
+            newest = {reason for _, reason in by_partition.values() if reason is not None}
+            if newest:
+                out.setdefault(name, set()).update(newest)
         return out
 
     def to_json(self) -> str:
@@ -244,7 +251,7 @@ class SourceShape:
                 "types": {k: sorted(v) for k, v in self.types.items()},
                 "schemas": sorted(self.schemas),
                 "json_mismatches": {k: sorted(v) for k, v in self.json_mismatches.items()},
-                "json_fitted": sorted(self.json_fitted),
+                "json_newest": self.json_newest,
             },
             sort_keys=True,
         )
@@ -258,7 +265,7 @@ class SourceShape:
             types={k: set(v) for k, v in raw["types"].items()},
             schemas=set(raw["schemas"]),
             json_mismatches={k: set(v) for k, v in raw.get("json_mismatches", {}).items()},
-            json_fitted=set(raw.get("json_fitted", ())),
+            json_newest=raw.get("json_newest", {}),
         )
 
     @classmethod
@@ -585,7 +592,7 @@ class RecordDecoder:
         out_keys, out_values, ops, sequences, source_ts, errors = [], [], [], [], [], []
         has_columns: list[list] = [[] for _ in plan.toasted]
         moved: list = []
-        shape, json_kinds = SourceShape(), {}
+        shape, json_kinds, json_newest = SourceShape(), {}, {}
         no_values, no_flags = [None] * width, [False] * len(plan.toasted)
         parts = [path.replace(".", "_") for path, _ in plan.sequence]
         for i in range(count):
@@ -619,7 +626,9 @@ class RecordDecoder:
             elif self.seen:
                 for name, kind in self.seen.items():
                     json_kinds.setdefault(name, set()).add(kind)
-        self._add_json_kinds(shape, json_kinds)
+                    if kind != "null":  # records come in offset order within a partition
+                        json_newest[(name, partitions[i])] = (offsets[i], kind)
+        self._add_json_kinds(shape, json_kinds, json_newest)
         schema = arrow_schema(plan)
         shapes = [None] * count
         if count and (shape.schemas or shape.fields):
@@ -649,7 +658,12 @@ class RecordDecoder:
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
-    def _add_json_kinds(self, shape: SourceShape, json_kinds: dict[str, set[str]]) -> None:
+    def _add_json_kinds(
+        self,
+        shape: SourceShape,
+        json_kinds: dict[str, set[str]],
+        json_newest: dict[tuple[str, int], tuple[int, str]],
+    ) -> None:
         """Schema-less records: what their JSON kinds say of each column."""
         if not json_kinds:
             return
@@ -661,16 +675,28 @@ class RecordDecoder:
                 shape.types.setdefault(name, set()).update(types)
             elif name not in self.plan.added:
                 configured = self.plan.configured[self._index[name]]
-                wrong = {k for k in kinds if k != "null" and k not in _json_kind_of(configured)}
-                if kinds - wrong - {"null"}:
-                    shape.json_fitted.add(name)
+                fits = _json_kind_of(configured)
+                wrong = {k for k in kinds if k != "null" and k not in fits}
+                declared = self.plan.columns[self._index[name]][1]
                 if wrong:
-                    declared = self.plan.columns[self._index[name]][1]
                     shape.json_mismatches.setdefault(name, set()).add(
-                        f"column '{name}' ({declared}) arrives as JSON "
-                        f"{'/'.join(sorted(wrong))}, but the table's config reads it as "
-                        f"{configured.describe()}"
+                        _kind_mismatch(name, declared, wrong, configured)
                     )
+                for (column, partition), (offset, kind) in json_newest.items():
+                    if column == name:
+                        shape.json_newest.setdefault(name, {})[str(partition)] = [
+                            offset,
+                            None
+                            if kind in fits
+                            else _kind_mismatch(name, declared, {kind}, configured),
+                        ]
+
+
+def _kind_mismatch(name: str, declared: str, found: set[str], configured: enc.Encoding) -> str:
+    return (
+        f"column '{name}' ({declared}) arrives as JSON {'/'.join(sorted(found))}, but the "
+        f"table's config reads it as {configured.describe()}"
+    )
 
 
 def _header_value(value: Any, declared: str) -> Any:
