@@ -34,15 +34,18 @@ from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import (
     added_columns,
     current_version,
+    delta_log,
     hour_history,
     latest_per_key,
     merge_changes,
+    mirror_newest_ms,
     mirror_schema,
+    record_run,
     write_errors,
 )
 from cdc_assets.read import read_slice
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
-from checks.expectations import Audit, audit_changes
+from checks.expectations import Audit, audit_changes, audit_no_changes
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import HmacKey
@@ -84,6 +87,9 @@ class HourResult:
     source_fields: SourceShape = field(default_factory=SourceShape)
     # The hard expectations' verdict; None when the table declares none.
     audit: Audit | None = None
+    # The newest source timestamp among the changes the mirror has taken, this run's included
+    # (recorded in each run's commit as a running maximum, so no run scans the table for it).
+    mirror_newest: datetime | None = None
 
     @property
     def lag_seconds(self) -> float | None:
@@ -120,6 +126,29 @@ def known_starts(
     if previous_end is not None:
         return previous_end
     return recorded_offsets(history, hour_key, "start") or {}
+
+
+MIRROR_NEWEST = "mirror_newest_ms"
+
+
+def recorded_mirror_newest(
+    spark: SparkSession, path: str, history: list[dict], version: int | None
+) -> int | None:
+    """The mirror's newest source timestamp (ms) as the newest run recorded it; a table whose
+    runs predate the record is read once (the next commit records it)."""
+    if version is None:
+        return None
+    if history and MIRROR_NEWEST in history[0]:
+        return history[0][MIRROR_NEWEST]
+    return mirror_newest_ms(spark, path, version)
+
+
+def _newer(a: int | None, b: int | None) -> int | None:
+    return max((v for v in (a, b) if v is not None), default=None)
+
+
+def _from_ms(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
 
 
 class TruncateError(RuntimeError):
@@ -173,9 +202,8 @@ def run_hour(
     now = now or datetime.now(UTC)
     lake.connect(spark)
     path = lake.table_path(spec.name)
-    last_version, history = hour_history(spark, path)
-    stored_schema = mirror_schema(spark, path)
-    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
+    ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
+    last_version, history = hour_history(spark, path, ledger)
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
     consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:
@@ -208,6 +236,14 @@ def run_hour(
             "for this table to materialize what is left and report the loss."
         )
 
+    prior_newest = recorded_mirror_newest(spark, path, history, last_version)
+    if hour_slice.size == 0 and last_version is not None:
+        return _empty_hour(
+            spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
+        )
+
+    stored_schema = mirror_schema(spark, path)
+    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     ingested_at = datetime.now(UTC)
     records = read_slice(spark, kafka.spark_options(), hour_slice)
 
@@ -304,6 +340,7 @@ def run_hour(
             "tombstones": totals["tombstones"],
             "errors": totals["errors"],
             "pipeline": "cdc-lake",
+            MIRROR_NEWEST: _newer(prior_newest, totals["newest"]),
         }
         if hour_truncate is not None:
             commit["truncated_before"] = hour_truncate
@@ -324,11 +361,12 @@ def run_hour(
                 for k in spec.primary_key
                 if totals[f"_low_{k}"] is not None
             },
+            ledger=ledger,
         )
         version = outcome.version if outcome.version is not None else last_version
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
         if toast.resolve_moves(spark, spec, path):
-            version = current_version(spark, path)
+            version = current_version(spark, path, ledger)
     finally:
         decoded.unpersist()
         if audited is not None:
@@ -362,4 +400,46 @@ def run_hour(
         previous_end=previous_end,
         source_fields=source_fields,
         audit=audit,
+        mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
+    )
+
+
+def _empty_hour(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    ledger,
+    hour_key: str,
+    hour_slice: HourSlice,
+    previous_end: dict[int, int] | None,
+    prior_newest: int | None,
+) -> HourResult:
+    """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
+    metadata-only commit, as every run's is, so the next hour starts where it ended."""
+    commit = {
+        "hour": hour_key,
+        "slice": hour_slice.as_dict(),
+        "partial": not hour_slice.closed,
+        "consumed": 0,
+        "tombstones": 0,
+        "errors": 0,
+        "pipeline": "cdc-lake",
+        MIRROR_NEWEST: prior_newest,
+    }
+    version = record_run(spark, spec, path, commit, ledger)
+    return HourResult(
+        table=spec.name,
+        hour_key=hour_key,
+        slice=hour_slice,
+        counts=HourCounts(0, 0, 0, 0, 0, 0),
+        rows_inserted=0,
+        rows_updated=0,
+        rows_deleted=0,
+        delta_version=version,
+        partial=not hour_slice.closed,
+        newest_source_ts=None,
+        finished_at=datetime.now(UTC),
+        previous_end=previous_end,
+        audit=audit_no_changes(spec),
+        mirror_newest=_from_ms(prior_newest),
     )

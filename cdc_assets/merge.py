@@ -41,6 +41,7 @@ from cdc_assets.decode import (
     SEQUENCE,
     SOURCE_TS,
 )
+from cdc_assets.ledger import DeltaLog
 
 log = logging.getLogger(__name__)
 T_ = TypeVar("T_")
@@ -215,6 +216,7 @@ def merge_changes(
     run_metadata: dict,
     truncate_before: Column | None = None,
     key_range: Mapping[str, tuple] | None = None,
+    ledger: DeltaLog | None = None,
 ) -> MergeOutcome:
     """MERGEs the newest change per key into the mirror with the sequence guard.
 
@@ -240,6 +242,7 @@ def merge_changes(
             run_metadata=run_metadata,
             truncate_before=truncate_before,
             key_range=key_range,
+            ledger=ledger or delta_log(path),
         ),
         table=spec.name,
         path=path,
@@ -256,6 +259,7 @@ def _merge_once(
     run_metadata: dict,
     truncate_before: Column | None,
     key_range: Mapping[str, tuple] | None = None,
+    ledger: DeltaLog | None = None,
 ) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
@@ -312,28 +316,55 @@ def _merge_once(
         metrics = merge.execute().first()
         if not metrics["num_affected_rows"]:
             # Every change was stale (or there was none): Delta committed nothing.
-            # A metadata-only commit, so that this run's slice is on record too. The path is
-            # the lake's own, quoted as an identifier (Spark allows no parameter here).
-            quoted = path.replace("`", "``")
-            spark.sql(
-                f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
-                "('cdc.ledger' = 'each run records its slice in the commit userMetadata')"
-            )
+            # A metadata-only commit, so that this run's slice is on record too.
+            _ledger_commit(spark, path)
             return MergeOutcome(None, source.count(), 0, 0, 0, 0)
     # This run's commit, not one another writer made since (both carry the same metadata only
     # when they run the same hour, and then the later one commits nothing but the ledger).
-    commit = (
-        table.history(20)
-        .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
-        .where(F.col("operation") == "MERGE")
-        .orderBy(F.col("version").desc())
-        .select("version", "operationMetrics")
-        .first()
-    )
-    outcome = _outcome(
-        spark, spec, path, commit["version"], int(commit["operationMetrics"]["numSourceRows"])
-    )
+    if ledger is not None:  # read from the log's files, no Spark job
+        mine = ledger.run_commit(run_metadata, "MERGE")
+        version, source_rows = mine.version, int(mine.metrics["numSourceRows"])
+    else:
+        commit = (
+            table.history(20)
+            .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
+            .where(F.col("operation") == "MERGE")
+            .orderBy(F.col("version").desc())
+            .select("version", "operationMetrics")
+            .first()
+        )
+        version, source_rows = commit["version"], int(commit["operationMetrics"]["numSourceRows"])
+    outcome = _outcome(spark, spec, path, version, source_rows)
     return replace(outcome, truncated=truncated)
+
+
+LEDGER_OPERATION = "SET TBLPROPERTIES"
+
+
+def _ledger_commit(spark: SparkSession, path: str) -> None:
+    """A commit that changes no data, carrying the session's commit metadata. The path is the
+    lake's own, quoted as an identifier (Spark allows no parameter here)."""
+    quoted = path.replace("`", "``")
+    spark.sql(
+        f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
+        "('cdc.ledger' = 'each run records its slice in the commit userMetadata')"
+    )
+
+
+def record_run(
+    spark: SparkSession, spec: TableSpec, path: str, run_metadata: dict, ledger: DeltaLog | None
+) -> int:
+    """Records a run that changed nothing (an empty slice) in a metadata-only commit of the
+    existing mirror: no data is read or written. Returns the commit's version."""
+
+    def commit() -> int:
+        with commit_metadata(spark, run_metadata):
+            _ledger_commit(spark, path)
+        if ledger is not None:
+            return ledger.run_commit(run_metadata, LEDGER_OPERATION).version
+        return current_version(spark, path)
+
+    return retry_on_conflict(commit, table=spec.name, path=path)
 
 
 def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
@@ -423,13 +454,48 @@ def live_rows(spark: SparkSession, path: str) -> DataFrame:
     return spark.read.format("delta").load(path).where(~F.col(DELETED))
 
 
-def current_version(spark: SparkSession, path: str) -> int:
+def delta_log(path: str, s3_client=None) -> DeltaLog | None:
+    """The table's log read without Spark: a local path, or S3 with `s3_client`; None for
+    anything else (Spark's history is read instead)."""
+    scheme = path.split("://", 1)[0] if "://" in path else ""
+    if scheme in ("s3a", "s3") and s3_client is not None:
+        return DeltaLog(path, s3_client=s3_client)
+    if scheme in ("", "file"):
+        return DeltaLog(path.removeprefix("file://"))
+    return None  # another filesystem: Spark reads it
+
+
+def mirror_newest_ms(spark: SparkSession, path: str, version: int) -> int | None:
+    """The newest source timestamp (ms) among the mirror's rows at `version`: a scan."""
+    return (
+        spark.read.format("delta")
+        .option("versionAsOf", version)
+        .load(path)
+        .agg(F.unix_millis(F.max(SOURCE_TS)).alias("newest"))
+        .first()["newest"]
+    )
+
+
+def current_version(spark: SparkSession, path: str, ledger: DeltaLog | None = None) -> int:
     """The table's newest version."""
+    ledger = ledger or delta_log(path)
+    if ledger is not None:
+        return ledger.latest_version()
     return DeltaTable.forPath(spark, path).history(1).select("version").first()["version"]
 
 
-def hour_history(spark: SparkSession, path: str) -> tuple[int | None, list[dict]]:
+def hour_history(
+    spark: SparkSession, path: str, ledger: DeltaLog | None = None
+) -> tuple[int | None, list[dict]]:
     """The mirror's current version and its pipeline commits' metadata, newest first."""
+    ledger = ledger or delta_log(path)
+    if ledger is not None:
+        return ledger.hour_history()
+    return spark_hour_history(spark, path)
+
+
+def spark_hour_history(spark: SparkSession, path: str) -> tuple[int | None, list[dict]]:
+    """`hour_history` through Spark's DESCRIBE HISTORY (a Spark job)."""
     if not DeltaTable.isDeltaTable(spark, path):
         return None, []
     rows = DeltaTable.forPath(spark, path).history().select("version", "userMetadata").collect()

@@ -309,6 +309,16 @@ class Audit:
         ]
 
 
+def audit_no_changes(spec: TableSpec) -> Audit | None:
+    """The hard expectations' verdict on an hour without changes: each holds on the empty set
+    (as great-expectations judges an empty frame); None when the table declares none."""
+    hard = [e for e in table_expectations(spec) if e.hard]
+    if not hard:
+        return None
+    empty = {"element_count": 0, "unexpected_count": 0}
+    return Audit(tuple(Outcome(e, True, counts=dict(empty)) for e in hard), None)
+
+
 def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> Audit | None:
     """Evaluates the hard expectations on `changes`; None when the table declares none.
 

@@ -16,10 +16,8 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 )
 from kafka import TopicPartition
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import SOURCE_TS
 from cdc_assets.hour_run import HourResult, recorded_offsets
 from cdc_assets.merge import hour_history
 from cdc_assets.toast import unknown_live_rows
@@ -72,20 +70,6 @@ def run_check_names(spec: TableSpec) -> list[str]:
     return [*run_checks(spec), *(e.name for e in table_expectations(spec))]
 
 
-def mirror_newest_source_ts(spark: SparkSession, path: str, version: int | None) -> datetime | None:
-    """The newest source timestamp among the mirror's rows at `version`."""
-    if version is None:
-        return None
-    newest = (
-        spark.read.format("delta")
-        .option("versionAsOf", version)
-        .load(path)
-        .agg(F.unix_micros(F.max(SOURCE_TS)).alias("newest"))
-        .first()["newest"]
-    )
-    return None if newest is None else datetime.fromtimestamp(newest / 1e6, UTC)
-
-
 def toasted_unknown(
     spark: SparkSession, path: str, spec: TableSpec, version: int | None
 ) -> dict[str, int]:
@@ -110,7 +94,7 @@ def evaluate_run_checks(
         freshness_result(
             result,
             policies.freshness,
-            mirror_newest=mirror_newest_source_ts(spark, path, result.delta_version),
+            mirror_newest=result.mirror_newest,
         ),
         schema_drift_result(result, spec, policies.schema_drift),
     ]

@@ -54,7 +54,6 @@ SCHEMA = "public"
 CONNECTOR_VERSION = "2.7.0.Final"
 
 
-
 def as_generated(specs: Iterable[TableSpec]) -> list[TableSpec]:
     """The specs as the generator's events are read: without a schema, decimals are text
     (the connector's ``decimal.handling.mode=string``), every other value in its default

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import dagster as dg
@@ -13,6 +14,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import SequenceConfigError, run_hour
+from cdc_assets.merge import hour_history
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from demo.reference import replay_with_errors
@@ -37,13 +39,15 @@ def run(spark, kafka):
     return _run
 
 
-def _change(op: str, row_id: int, lsn: int, name: str = "n", balance="1.00") -> bytes:
+def _change(
+    op: str, row_id: int, lsn: int, name: str = "n", balance="1.00", ts_ms: int = 0
+) -> bytes:
     row = {"id": row_id, "name": name, "balance": balance}
     envelope = {
         "op": op,
         "before": row if op == "d" else None,
         "after": None if op == "d" else row,
-        "source": {"lsn": lsn, "ts_ms": 0},
+        "source": {"lsn": lsn, "ts_ms": ts_ms},
     }
     return json.dumps(envelope).encode()
 
@@ -386,3 +390,64 @@ def test_a_sequence_the_connector_does_not_send_fails_fast(
     assert "'accounts'" in str(failure.value) and "source.file" in str(failure.value)
     assert not Path(lake.table_path(spec.error_table_name)).exists()
     assert not Path(lake.table_path(spec.name)).exists()
+
+
+def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continues(
+    create_topic, send, kafka, spark, spark_resource, lake
+):
+    topic = create_topic("empty-hour", partitions=2)
+    spec = accounts_spec(
+        topic,
+        expectations=({"column": "name", "expect": "not_null", "hard": True},),
+        checks={"freshness": {"max_lag_minutes": 150}},
+    )
+    keys = [(HOUR + timedelta(hours=n)).strftime("%Y-%m-%d-%H:%M") for n in range(3)]
+    at = [_ms(HOUR) + ms for ms in (1_000, 2_000, 7_201_000, 7_202_000)]
+    send(topic, b'{"id":1}', _change("c", 1, 10, ts_ms=at[0]), at[0], partition=0)
+    send(topic, b'{"id":2}', _change("c", 2, 11, ts_ms=at[1]), at[1], partition=1)
+    # Nothing in the second hour (at its end the mirror's newest change is 2 hours old, within
+    # the freshness limit); the third changes both rows.
+    send(topic, b'{"id":1}', _change("u", 1, 20, name="m", ts_ms=at[2]), at[2], partition=0)
+    send(topic, b'{"id":2}', _change("d", 2, 21, ts_ms=at[3]), at[3], partition=1)
+    for partition in (0, 1):
+        send(topic, b'{"id":9}', b"{}", _ms(HOUR) + 3 * 3_600_000 + 1_000, partition=partition)
+
+    asset = build_table_asset(spec=spec)
+    resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
+    instance = dg.DagsterInstance.ephemeral()
+
+    def materialize(key: str) -> dg.ExecuteInProcessResult:
+        return dg.materialize([asset], partition_key=key, resources=resources, instance=instance)
+
+    first = materialize(keys[0])
+    context = spark.sparkContext
+    context.setJobGroup("empty-hour", "the empty hour's run")
+    try:
+        empty = materialize(keys[1])
+    finally:
+        context.setJobGroup("after", "")
+    # The empty hour launched no Spark job: no read, decode, MERGE, scan or validation.
+    assert list(context.statusTracker().getJobIdsForGroup("empty-hour")) == []
+    last = materialize(keys[2])
+
+    for result in (first, empty, last):
+        assert result.success
+        failed = [e.check_name for e in result.get_asset_check_evaluations() if not e.passed]
+        assert failed == []
+    (recorded,) = empty.asset_materializations_for_node("accounts")
+    assert recorded.metadata["consumed"].value == 0
+    # Its freshness is judged by the newest change the mirror holds, as recorded by the first
+    # hour's commit: 09:00:02 seen from the empty hour's end, 11:00.
+    (freshness,) = [e for e in empty.get_asset_check_evaluations() if e.check_name == "freshness"]
+    assert freshness.metadata["lag_minutes"].value == round((2 * 3600 - 2) / 60, 2)
+    path = lake.table_path(spec.name)
+    assert mirror_rows(spark, path, spec) == {
+        (1,): {"id": 1, "name": "m", "balance": Decimal("1.00")}
+    }
+    # The third hour starts where the empty one ended (continuity), which is where the first
+    # ended: the empty hour's slice is on record.
+    history = hour_history(spark, path)[1]
+    slices = {c["hour"]: c["slice"]["partitions"] for c in history}
+    ended = {p: s["end"] for p, s in slices[keys[0]].items()}
+    assert slices[keys[1]] == {p: {"start": end, "end": end} for p, end in ended.items()}
+    assert {p: s["start"] for p, s in slices[keys[2]].items()} == ended
