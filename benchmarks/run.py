@@ -77,7 +77,7 @@ PROFILES = {
     ],
     # A few minutes: to see that everything works.
     "smoke": [
-        Case("a", 20_000, 200_000, 2),
+        Case("a", 20_000, 200_000, 2, variants=(*VARIANTS, "ours-empty")),
         Case("b", 20_000, 200_000, 1),
         Case("a", 2_000, 200_000, 1, variants=(), hours=4),
     ],

@@ -252,14 +252,15 @@ def _check_first_hour(spec: TableSpec, hours: Sequence[str]) -> None:
 
 
 def open_instance() -> dg.DagsterInstance:
-    """The instance of DAGSTER_HOME, refusing a home that is unset or holds no instance."""
+    """The instance of DAGSTER_HOME (relative to the current directory, or absolute), refusing a
+    home that is unset or holds no instance."""
     fix = "set it to the Dagster instance directory the webserver and daemon use"
     home = os.environ.get("DAGSTER_HOME", "").strip()
     if not home:
         raise ReportError(f"DAGSTER_HOME is not set; {fix}")
-    path = Path(home).expanduser()
-    if not path.is_absolute():
-        raise ReportError(f"DAGSTER_HOME '{home}' is a relative path; {fix}, as an absolute path")
+    # A relative home (the README's `DAGSTER_HOME=.local/dagster`) is the one under the current
+    # directory; Dagster itself takes only absolute paths, so it is given the resolved one.
+    path = Path(home).expanduser().absolute()
     if not path.is_dir():
         raise ReportError(f"DAGSTER_HOME '{home}' is not a directory; {fix}")
     # Opening a directory that holds nothing would create an empty instance there, and every
@@ -268,6 +269,7 @@ def open_instance() -> dg.DagsterInstance:
         raise ReportError(
             f"DAGSTER_HOME '{home}' holds no Dagster instance (no dagster.yaml, no runs); {fix}"
         )
+    os.environ["DAGSTER_HOME"] = str(path)
     try:
         instance = dg.DagsterInstance.get()
     except dg.DagsterError as exc:

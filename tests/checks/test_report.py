@@ -301,7 +301,9 @@ def test_report_reads_what_the_hourly_runs_recorded(
     # The command, against the same instance read back from disk, as a person would run it.
     tables_file = _write_tables_file(tmp_path / "tables.yaml", spec)
     report_path = tmp_path / "report.json"
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    # As README writes it: DAGSTER_HOME relative to the directory the command runs in.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", home.name)
     argv = ["--table", spec.name, "--from", H1, "--to", H3, "--json", str(report_path)]
     assert main([*argv, "--tables-file", str(tables_file)]) == 0
     out = capsys.readouterr().out
