@@ -43,11 +43,12 @@ from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
 from cdc_assets import encodings as enc
 from cdc_assets.config import TableSpec
+from cdc_assets.tally import KeyRange, Tally
 
 OPS = ("c", "r", "u", "d", "t")
 TRUNCATE = "t"
@@ -69,6 +70,8 @@ KAFKA_TIMESTAMP = "_cdc_kafka_timestamp"
 MOVED_FROM = "_cdc_moved_from"
 # What the hour's records told of the source's columns: one JSON summary per Arrow batch.
 SHAPE = "_cdc_shape"
+# What the batch's records add up to (`cdc_assets.tally.Tally`): JSON on each batch's first row.
+TALLY = "_cdc_tally"
 # Debezium's stand-in for a TOASTed value the change doesn't carry (it did not change).
 UNAVAILABLE = "__debezium_unavailable_value"
 OLD_KEY_HEADER = "__debezium.oldkey"
@@ -185,6 +188,7 @@ class DecodePlan:
             *[T.StructField(has_value(c), T.BooleanType()) for c in self.toasted],
             *([T.StructField(MOVED_FROM, self.key_type())] if self.toasted else []),
             T.StructField(SHAPE, T.StringType()),
+            T.StructField(TALLY, T.StringType()),
         ]
         return T.StructType(fields)
 
@@ -340,6 +344,11 @@ class RecordDecoder:
         self._names = [name for name, _ in plan.columns]
         self._index = {name: n for n, name in enumerate(self._names)}
         self._pk_index = [self._index[k] for k in plan.primary_key]
+        declared = plan.declared
+        self._ranged_keys = [(k, declared[k]) for k in plan.primary_key]
+        self._ranged_key_index = [
+            (self._index[k], (k, declared[k])) for k, _ in KeyRange(self._ranged_keys).columns
+        ]
         self._toasted_index = [self._index[c] for c in plan.toasted]
         self._configured = self._row_plan(None)
         # Plans by the exact text of a record's (or key's) Connect schema.
@@ -595,6 +604,7 @@ class RecordDecoder:
         shape, json_kinds, json_newest = SourceShape(), {}, {}
         no_values, no_flags = [None] * width, [False] * len(plan.toasted)
         parts = [path.replace(".", "_") for path, _ in plan.sequence]
+        tally, key_range = Tally(records=count), KeyRange(self._ranged_keys)
         for i in range(count):
             value, values, meta, error = raw[i], no_values, {}, None
             self.seen = None
@@ -603,6 +613,7 @@ class RecordDecoder:
                     values, meta = self.decode(keys[i], value, headers[i])
                 except _Bad as exc:
                     error, values, meta = str(exc), no_values, {}
+            self._count(tally, key_range, value, values, meta, error, partitions[i], offsets[i])
             for n in range(width):
                 columns[n].append(values[n])
             ops.append(meta.get("op"))
@@ -630,9 +641,12 @@ class RecordDecoder:
                         json_newest[(name, partitions[i])] = (offsets[i], kind)
         self._add_json_kinds(shape, json_kinds, json_newest)
         schema = arrow_schema(plan)
-        shapes = [None] * count
+        shapes, tallies = [None] * count, [None] * count
         if count and (shape.schemas or shape.fields):
             shapes[0] = shape.to_json()
+        if count:
+            tally.low, tally.high = key_range.encoded()
+            tallies[0] = tally.to_json()
         tombstones = batch.column("value").is_null()
         arrays = [
             pa.array(out_keys, pa.binary()),
@@ -655,8 +669,47 @@ class RecordDecoder:
             *[pa.array(flags, pa.bool_()) for flags in has_columns],
             *([pa.array(moved, schema.field(MOVED_FROM).type)] if plan.toasted else []),
             pa.array(shapes, pa.string()),
+            pa.array(tallies, pa.string()),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    def _count(
+        self,
+        tally: Tally,
+        key_range: KeyRange,
+        value: bytes | None,
+        values: list,
+        meta: dict,
+        error: str | None,
+        partition: int,
+        offset: int,
+    ) -> None:
+        """Adds one record to its batch's tally (see `cdc_assets.tally`)."""
+        if value is None:
+            tally.tombstones += 1
+            return
+        if error is not None:
+            tally.errors += 1
+            tally.reasons[error] = tally.reasons.get(error, 0) + 1
+            return
+        source_us = meta.get("source_ts")
+        if source_us is not None and (
+            tally.newest_source_us is None or source_us > tally.newest_source_us
+        ):
+            tally.newest_source_us = source_us
+        op = meta["op"]
+        if op == TRUNCATE:
+            tally.truncates += 1
+            sequence = [*meta["sequence"], partition, offset]
+            if tally.truncate_sequence is None or sequence > tally.truncate_sequence:
+                tally.truncate_sequence = sequence
+            if tally.first_truncate is None or [partition, offset] < tally.first_truncate:
+                tally.first_truncate = [partition, offset]
+            return
+        tally.changes += 1
+        tally.deletes += op == "d"
+        tally.moves += meta.get("moved_from") is not None
+        key_range.add({name: values[n] for n, (name, _) in self._ranged_key_index})
 
     def _add_json_kinds(
         self,
@@ -901,6 +954,7 @@ def arrow_schema(plan: DecodePlan) -> pa.Schema:
             *[pa.field(has_value(c), pa.bool_()) for c in plan.toasted],
             *([pa.field(MOVED_FROM, key)] if plan.toasted else []),
             pa.field(SHAPE, pa.string()),
+            pa.field(TALLY, pa.string()),
         ]
     )
 
@@ -935,3 +989,18 @@ def decode(
 
     present = [c for c in _INPUT_COLUMNS if c in records.columns]
     return records.select(*present).mapInArrow(run, plan.spark_schema())
+
+
+def decode_locally(
+    spark: SparkSession,
+    records: pa.RecordBatch,
+    spec: TableSpec,
+    *,
+    hour_key: str,
+    added_columns: Mapping[str, str] | None = None,
+) -> DataFrame:
+    """`decode` of a small slice read in the driver (`read.read_slice_locally`): the same
+    decoder, run here; the frame is a local relation, so reading it costs no Kafka job."""
+    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns)
+    decoded = RecordDecoder(plan).decode_batch(records)
+    return spark.createDataFrame(pa.Table.from_batches([decoded]), schema=plan.spark_schema())

@@ -6,9 +6,12 @@ asset turns its `HourResult` into materialization metadata.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -17,6 +20,7 @@ from pyspark.sql import types as T
 from cdc_assets import toast
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
+    DELETED,
     ERROR,
     KAFKA_OFFSET,
     KAFKA_PARTITION,
@@ -24,11 +28,13 @@ from cdc_assets.decode import (
     SEQUENCE,
     SHAPE,
     SOURCE_TS,
+    TALLY,
     TOMBSTONE,
     TRUNCATE,
     SourceShape,
     added_column_types,
     decode,
+    decode_locally,
 )
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import (
@@ -43,14 +49,24 @@ from cdc_assets.merge import (
     record_run,
     write_errors,
 )
-from cdc_assets.read import read_slice
+from cdc_assets.read import read_slice, read_slice_locally
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
-from checks.expectations import Audit, audit_changes, audit_no_changes
+from cdc_assets.tally import Tally, key_value
+from checks.expectations import (
+    Audit,
+    Outcome,
+    audit_changes,
+    audit_no_changes,
+    validate_batch,
+    validate_nothing,
+)
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import HmacKey
 
 HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
+# Slices up to this many records are read and decoded in the driver (see `run_hour`).
+DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,8 @@ class HourResult:
     source_fields: SourceShape = field(default_factory=SourceShape)
     # The hard expectations' verdict; None when the table declares none.
     audit: Audit | None = None
+    # The other expectations' verdicts, on the hour's newest change per key.
+    expectations: tuple[Outcome, ...] = ()
     # The newest source timestamp among the changes the mirror has taken, this run's included
     # (recorded in each run's commit as a running maximum, so no run scans the table for it).
     mirror_newest: datetime | None = None
@@ -173,8 +191,8 @@ class SequenceConfigError(RuntimeError):
     """Every change of an hour lacks the table's sequence: the config, not the data, is wrong."""
 
 
-def _fail_on_sequence_mismatch(spec: TableSpec, hour_key: str, reasons: dict, totals) -> None:
-    changes = totals["consumed"] - totals["tombstones"]
+def _fail_on_sequence_mismatch(spec: TableSpec, hour_key: str, reasons: dict, tally) -> None:
+    changes = tally.records - tally.tombstones
     (only_reason, count), *others = reasons.items()
     if changes and not others and only_reason.startswith("sequence field") and count == changes:
         fields = ", ".join(f"{part.field} ({part.type})" for part in spec.sequence)
@@ -197,30 +215,298 @@ def run_hour(
     now: datetime | None = None,
     force_open_hour: bool = False,
     masking_key: HmacKey | None = None,
+    local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
 ) -> HourResult:
-    """Materializes one hour of `spec` into its Delta mirror and returns what happened."""
+    """Materializes one hour of `spec` into its Delta mirror and returns what happened.
+
+    A slice of at most `local_read_max_records` records is read and decoded in this process
+    (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
+    one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
+    same decoder, so they give the same rows.
+    """
     now = now or datetime.now(UTC)
     lake.connect(spark)
     path = lake.table_path(spec.name)
     ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
     last_version, history = hour_history(spark, path, ledger)
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
+    hour_slice = _slice(kafka, spec, hour_key, now, known_starts(history, hour_key, previous_end))
+    _refuse_open_or_lost(spec, hour_key, hour_slice, force_open_hour)
+
+    prior_newest = recorded_mirror_newest(spark, path, history, last_version)
+    if hour_slice.size == 0 and last_version is not None:
+        return _empty_hour(
+            spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
+        )
+    with sized_shuffles(spark, hour_slice.size):
+        return _apply_hour(
+            spark=spark,
+            kafka=kafka,
+            lake=lake,
+            spec=spec,
+            hour_key=hour_key,
+            hour_slice=hour_slice,
+            ledger=ledger,
+            history=history,
+            last_version=last_version,
+            previous_end=previous_end,
+            prior_newest=prior_newest,
+            masking_key=masking_key,
+            local_read_max_records=local_read_max_records,
+        )
+
+
+# An hour's shuffle width: one partition per this many records read (at least 1, at most the
+# session's setting), so a small hour's MERGE runs a task per stage, not dozens.
+RECORDS_PER_SHUFFLE_PARTITION = 100_000
+
+
+@contextmanager
+def sized_shuffles(spark: SparkSession, records: int) -> Iterator[None]:
+    """Sets the session's shuffle partitions for an hour of `records` records, then restores
+    them (a run's tables each have a session of their own, `cdc_assets.fleet`)."""
+    key = "spark.sql.shuffle.partitions"
+    configured = spark.conf.get(key)
+    width = -(-records // RECORDS_PER_SHUFFLE_PARTITION)
+    spark.conf.set(key, str(max(1, min(int(configured), width))))
+    try:
+        yield
+    finally:
+        spark.conf.set(key, configured)
+
+
+def _apply_hour(
+    *,
+    spark: SparkSession,
+    kafka: KafkaResource,
+    lake: LakeResource,
+    spec: TableSpec,
+    hour_key: str,
+    hour_slice: HourSlice,
+    ledger,
+    history: list[dict],
+    last_version: int | None,
+    previous_end: dict[int, int] | None,
+    prior_newest: int | None,
+    masking_key: HmacKey | None,
+    local_read_max_records: int,
+) -> HourResult:
+    """Reads, decodes, audits and MERGEs a non-empty (or first) hour; see `run_hour`."""
+    path = lake.table_path(spec.name)
+    stored_schema = mirror_schema(spark, path)
+    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
+    ingested_at = datetime.now(UTC)
+    if hour_slice.size <= local_read_max_records:
+        consumer = kafka.consumer()
+        try:
+            records: DataFrame | pa.RecordBatch = read_slice_locally(consumer, hour_slice)
+        finally:
+            consumer.close()
+    else:
+        records = read_slice(spark, kafka.spark_options(), hour_slice)
+    # Columns the mirror gained earlier, then any the hour's rows bring (decoded again for them:
+    # only the hour a column first appears pays that second read).
+    added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
+    batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    new = added_column_types(batch.shape, [*spec.columns, *added])
+    if spec.new_columns == "add" and new:
+        batch.frame.unpersist()
+        added |= new
+        batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    # From here on `spec` describes the mirror: hashed columns are strings, dropped ones gone,
+    # added ones there.
+    stored = stored_spec(spec)
+    spec = stored.model_copy(update={"columns": {**stored.columns, **added}})
+    tally, frames = batch.tally, [batch.frame]
+    try:
+        decoded = batch.frame
+        # Audit: hard expectations hold failing changes back, into the error table.
+        audit = audit_changes(spark, spec, decoded.where(applicable()))
+        newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
+        errors, reasons = tally.errors, dict(tally.reasons)
+        if audit is not None and audit.failed is not None:
+            decoded = (
+                decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
+                .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
+                .drop("_cdc_expectation")
+                .persist(StorageLevel.MEMORY_AND_DISK)
+            )
+            frames.append(decoded)
+            errors += sum(audit.reasons.values())
+            for reason, n in audit.reasons.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+            # The changes held back are not in the mirror: its newest source time without them.
+            newest_ms = (
+                decoded.where(F.col(ERROR).isNull()).agg(F.unix_millis(F.max(SOURCE_TS))).first()[0]
+            )
+        if tally.truncates and spec.on_truncate == "fail":
+            _fail_on_truncate(spec, hour_key, tally)
+        good = decoded.where(applicable())
+        hour_truncate = tally.truncate_sequence if tally.truncates else None
+        watermark = truncate_watermark(history, hour_truncate)
+        older_than_truncate = 0
+        if watermark is not None:
+            # A change older than a truncate is gone from the source, whenever its hour runs.
+            bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
+            older_than_truncate = good.where(F.col(SEQUENCE) < bound).count()
+            good = good.where(F.col(SEQUENCE) > bound)
+        if errors:
+            _fail_on_sequence_mismatch(spec, hour_key, reasons, tally)
+            write_errors(
+                spark,
+                spec.error_table_name,
+                lake.table_path(spec.error_table_name),
+                decoded.where(F.col(ERROR).isNotNull()),
+                hour_key=hour_key,
+                ingested_at=ingested_at,
+            )
+        commit = {
+            "hour": hour_key,
+            "slice": hour_slice.as_dict(),
+            "partial": not hour_slice.closed,
+            "consumed": tally.records,
+            "tombstones": tally.tombstones,
+            "errors": errors,
+            "pipeline": "cdc-lake",
+            MIRROR_NEWEST: _newer(prior_newest, newest_ms),
+        }
+        if hour_truncate is not None:
+            commit["truncated_before"] = hour_truncate
+        # The newest change per key: the MERGE's source and what the expectations judge.
+        latest = latest_per_key(good, spec).persist(StorageLevel.MEMORY_AND_DISK)
+        frames.append(latest)
+        outcome = merge_changes(
+            spark,
+            spec,
+            path,
+            latest,
+            ingested_at=ingested_at,
+            run_metadata=commit,
+            truncate_before=(
+                None
+                if hour_truncate is None
+                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
+            ),
+            key_range=key_range(spec, tally),
+            ledger=ledger,
+        )
+        version = outcome.version if outcome.version is not None else last_version
+        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
+        if toast.resolve_moves(spark, spec, path):
+            version = current_version(spark, path, ledger)
+        expectations = validate_batch(spark, spec, path, version, latest.where(~F.col(DELETED)))
+    finally:
+        for frame in frames:
+            frame.unpersist()
+
+    # Counted where each happened: the records by the decoder, the keys and what the MERGE
+    # applied by Delta (operationMetrics); truncate records count as applied, changes older
+    # than a truncate as stale.
+    changes = tally.changes - (errors - tally.errors)  # the audit's held-back are errors
+    return HourResult(
+        table=spec.name,
+        hour_key=hour_key,
+        slice=hour_slice,
+        counts=HourCounts(
+            consumed=tally.records,
+            applied=outcome.applied + tally.truncates,
+            superseded=changes - older_than_truncate - outcome.merged_keys,
+            stale=outcome.merged_keys - outcome.applied + older_than_truncate,
+            tombstones=tally.tombstones,
+            errors=errors,
+        ),
+        rows_inserted=outcome.rows_inserted,
+        rows_updated=outcome.rows_updated,
+        rows_deleted=outcome.rows_deleted,
+        delta_version=version,
+        partial=not hour_slice.closed,
+        newest_source_ts=_from_ms(newest_ms),
+        finished_at=datetime.now(UTC),
+        error_reasons=reasons,
+        merge_version=outcome.version,
+        previous_end=previous_end,
+        source_fields=batch.shape,
+        audit=audit,
+        expectations=tuple(expectations),
+        mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
+    )
+
+
+def applicable() -> Column:
+    """Decoded changes to rows: not errors, tombstones or truncates."""
+    return F.col(ERROR).isNull() & ~F.col(TOMBSTONE) & (F.col(OP) != TRUNCATE)
+
+
+@dataclass(frozen=True)
+class DecodedSlice:
+    """An hour's records decoded and masked (cached), with what the decoder counted."""
+
+    frame: DataFrame
+    tally: Tally
+    shape: SourceShape
+
+
+def _decode(
+    spark: SparkSession,
+    records: DataFrame | pa.RecordBatch,
+    spec: TableSpec,
+    hour_key: str,
+    added: dict[str, str],
+    masking_key: HmacKey | None,
+) -> DecodedSlice:
+    """Decodes the slice into a cached frame; one Spark job fills the cache and brings back
+    each batch's tally and shape (so the totals, drift and key range cost no job of their own).
+    Records read in the driver are decoded here, into a local relation.
+    Sensitive columns are masked before anything reads them (cdc_assets/masking.py)."""
+    if isinstance(records, pa.RecordBatch):
+        frame = decode_locally(spark, records, spec, hour_key=hour_key, added_columns=added)
+    else:
+        frame = decode(records, spec, hour_key=hour_key, added_columns=added)
+    frame = mask_changes(frame, spec, masking_key).persist(StorageLevel.MEMORY_AND_DISK)
+    rows = frame.where(F.col(TALLY).isNotNull()).select(SHAPE, TALLY).collect()
+    return DecodedSlice(
+        frame,
+        Tally.combine(row[TALLY] for row in rows),
+        SourceShape.combine(row[SHAPE] for row in rows),
+    )
+
+
+def key_range(spec: TableSpec, tally: Tally) -> dict[str, tuple]:
+    """The MERGE's pruning bounds: each ranged key column's lowest and highest applied value."""
+    return {
+        k: (key_value(spec.columns[k], tally.low[k]), key_value(spec.columns[k], tally.high[k]))
+        for k in spec.primary_key
+        if k in tally.low and k in tally.high
+    }
+
+
+def _slice(
+    kafka: KafkaResource,
+    spec: TableSpec,
+    hour_key: str,
+    now: datetime,
+    starts: dict[int, int],
+) -> HourSlice:
     consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:
-        hour_slice = compute_slice(
+        return compute_slice(
             consumer,
             table=spec.name,
             topic=spec.topic,
             hour_start=hour_start(hour_key),
             now=now,
             allowed_lateness=timedelta(minutes=spec.allowed_lateness_minutes),
-            known_starts=known_starts(history, hour_key, previous_end),
+            known_starts=starts,
             uncommitted=uncommitted,
         )
     finally:
         consumer.close()
         uncommitted.close()
 
+
+def _refuse_open_or_lost(
+    spec: TableSpec, hour_key: str, hour_slice: HourSlice, force_open_hour: bool
+) -> None:
     if not hour_slice.closed and not force_open_hour:
         raise OpenHourError(
             f"table '{spec.name}': hour {hour_key} is still open: {hour_slice.open_reason}. "
@@ -236,171 +522,16 @@ def run_hour(
             "for this table to materialize what is left and report the loss."
         )
 
-    prior_newest = recorded_mirror_newest(spark, path, history, last_version)
-    if hour_slice.size == 0 and last_version is not None:
-        return _empty_hour(
-            spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
-        )
 
-    stored_schema = mirror_schema(spark, path)
-    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
-    ingested_at = datetime.now(UTC)
-    records = read_slice(spark, kafka.spark_options(), hour_slice)
-
-    def decoded_with(added: dict[str, str]) -> DataFrame:
-        # Sensitive columns are masked before anything reads them (cdc_assets/masking.py).
-        frame = decode(records, spec, hour_key=hour_key, added_columns=added)
-        return mask_changes(frame, spec, masking_key).persist(StorageLevel.MEMORY_AND_DISK)
-
-    # Columns the mirror gained earlier, then any the hour's rows bring (decoded again for them:
-    # only the hour a column first appears pays that second read).
-    added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
-    decoded = decoded_with(added)
-    source_fields = SourceShape.combine(
-        row[SHAPE] for row in decoded.where(F.col(SHAPE).isNotNull()).select(SHAPE).collect()
-    )
-    new = added_column_types(source_fields, [*spec.columns, *added])
-    if spec.new_columns == "add" and new:
-        decoded.unpersist()
-        added |= new
-        decoded = decoded_with(added)
-    # From here on `spec` describes the mirror: hashed columns are strings, dropped ones gone,
-    # added ones there.
-    stored = stored_spec(spec)
-    spec = stored.model_copy(update={"columns": {**stored.columns, **added}})
-    audited = None
-    try:
-        # Changes to rows: not errors, tombstones or truncates.
-        applicable = F.col(ERROR).isNull() & ~F.col(TOMBSTONE) & (F.col(OP) != TRUNCATE)
-        # Audit: hard expectations hold failing changes back, into the error table.
-        audit = audit_changes(spark, spec, decoded.where(applicable))
-        if audit is not None and audit.failed is not None:
-            audited = (
-                decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
-                .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
-                .drop("_cdc_expectation")
-                .persist(StorageLevel.MEMORY_AND_DISK)
-            )
-            decoded, audited = audited, decoded
-        good = decoded.where(applicable)
-        is_truncate = F.col(ERROR).isNull() & (F.col(OP) == TRUNCATE)
-        totals = decoded.agg(
-            F.count("*").alias("consumed"),
-            F.count_if(F.col(TOMBSTONE)).alias("tombstones"),
-            F.count_if(F.col(ERROR).isNotNull()).alias("errors"),
-            F.count_if(is_truncate).alias("truncates"),
-            F.max(F.when(is_truncate, F.col(SEQUENCE))).alias("truncate_sequence"),
-            F.min(F.when(is_truncate, F.struct(KAFKA_PARTITION, KAFKA_OFFSET))).alias("first_t"),
-            F.unix_millis(F.max(F.when(F.col(ERROR).isNull(), F.col(SOURCE_TS)))).alias("newest"),
-            # The range of the keys the MERGE applies: its pruning predicate (merge_changes).
-            *[F.min(F.when(applicable, F.col(k))).alias(f"_low_{k}") for k in spec.primary_key],
-            *[F.max(F.when(applicable, F.col(k))).alias(f"_high_{k}") for k in spec.primary_key],
-        ).first()
-        if totals["truncates"] and spec.on_truncate == "fail":
-            at = totals["first_t"]
-            raise TruncateError(
-                f"table '{spec.name}', topic '{spec.topic}', hour {hour_key}: partition "
-                f"{at[KAFKA_PARTITION]} offset {at[KAFKA_OFFSET]} is a truncate of the source "
-                f"table (op 't'; {totals['truncates']} in the hour). on_truncate is 'fail', so "
-                "nothing of this hour was written. Set on_truncate: apply for the table to "
-                "delete every row older than the truncate and run the hour again, or "
-                "re-snapshot the table."
-            )
-        hour_truncate = list(totals["truncate_sequence"]) if totals["truncates"] else None
-        watermark = truncate_watermark(history, hour_truncate)
-        older_than_truncate = 0
-        if watermark is not None:
-            # A change older than a truncate is gone from the source, whenever its hour runs.
-            bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
-            older_than_truncate = good.where(F.col(SEQUENCE) < bound).count()
-            good = good.where(F.col(SEQUENCE) > bound)
-        reasons = {}
-        if totals["errors"]:
-            reasons = {
-                row[ERROR]: row["n"]
-                for row in decoded.where(F.col(ERROR).isNotNull())
-                .groupBy(ERROR)
-                .agg(F.count("*").alias("n"))
-                .collect()
-            }
-            _fail_on_sequence_mismatch(spec, hour_key, reasons, totals)
-            write_errors(
-                spark,
-                spec.error_table_name,
-                lake.table_path(spec.error_table_name),
-                decoded.where(F.col(ERROR).isNotNull()),
-                hour_key=hour_key,
-                ingested_at=ingested_at,
-            )
-        commit = {
-            "hour": hour_key,
-            "slice": hour_slice.as_dict(),
-            "partial": not hour_slice.closed,
-            "consumed": totals["consumed"],
-            "tombstones": totals["tombstones"],
-            "errors": totals["errors"],
-            "pipeline": "cdc-lake",
-            MIRROR_NEWEST: _newer(prior_newest, totals["newest"]),
-        }
-        if hour_truncate is not None:
-            commit["truncated_before"] = hour_truncate
-        outcome = merge_changes(
-            spark,
-            spec,
-            path,
-            latest_per_key(good, spec),
-            ingested_at=ingested_at,
-            run_metadata=commit,
-            truncate_before=(
-                None
-                if hour_truncate is None
-                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
-            ),
-            key_range={
-                k: (totals[f"_low_{k}"], totals[f"_high_{k}"])
-                for k in spec.primary_key
-                if totals[f"_low_{k}"] is not None
-            },
-            ledger=ledger,
-        )
-        version = outcome.version if outcome.version is not None else last_version
-        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
-        if toast.resolve_moves(spark, spec, path):
-            version = current_version(spark, path, ledger)
-    finally:
-        decoded.unpersist()
-        if audited is not None:
-            audited.unpersist()
-
-    # Truncate records count as applied; changes older than a truncate as stale.
-    n_changes = totals["consumed"] - totals["tombstones"] - totals["errors"] - totals["truncates"]
-    keys_applied = outcome.applied - outcome.truncated
-    newest = totals["newest"]
-    return HourResult(
-        table=spec.name,
-        hour_key=hour_key,
-        slice=hour_slice,
-        counts=HourCounts(
-            consumed=totals["consumed"],
-            applied=keys_applied + totals["truncates"],
-            superseded=n_changes - older_than_truncate - outcome.merged_keys,
-            stale=outcome.merged_keys - keys_applied + older_than_truncate,
-            tombstones=totals["tombstones"],
-            errors=totals["errors"],
-        ),
-        rows_inserted=outcome.rows_inserted,
-        rows_updated=outcome.rows_updated,
-        rows_deleted=outcome.rows_deleted,
-        delta_version=version,
-        partial=not hour_slice.closed,
-        newest_source_ts=datetime.fromtimestamp(newest / 1000, UTC) if newest else None,
-        finished_at=datetime.now(UTC),
-        error_reasons=reasons,
-        merge_version=outcome.version,
-        previous_end=previous_end,
-        source_fields=source_fields,
-        audit=audit,
-        mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
+def _fail_on_truncate(spec: TableSpec, hour_key: str, tally: Tally) -> None:
+    partition, offset = tally.first_truncate
+    raise TruncateError(
+        f"table '{spec.name}', topic '{spec.topic}', hour {hour_key}: partition "
+        f"{partition} offset {offset} is a truncate of the source "
+        f"table (op 't'; {tally.truncates} in the hour). on_truncate is 'fail', so "
+        "nothing of this hour was written. Set on_truncate: apply for the table to "
+        "delete every row older than the truncate and run the hour again, or "
+        "re-snapshot the table."
     )
 
 
@@ -441,5 +572,6 @@ def _empty_hour(
         finished_at=datetime.now(UTC),
         previous_end=previous_end,
         audit=audit_no_changes(spec),
+        expectations=tuple(validate_nothing(spec)),
         mirror_newest=_from_ms(prior_newest),
     )

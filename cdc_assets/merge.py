@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
 from delta import exceptions as delta_errors
@@ -124,7 +124,7 @@ class MergeOutcome:
     rows_inserted: int
     rows_updated: int
     rows_deleted: int
-    # Rows a truncate in the hour deleted (among `applied` and `rows_deleted`).
+    # Rows a truncate in the hour deleted (among `rows_deleted`, not `applied`).
     truncated: int = 0
 
 
@@ -287,7 +287,6 @@ def _merge_once(
         # A soft delete stores the delete's before-image (the row as the source last had it),
         # so the tombstone row is the same whichever order the hours ran in.
         merge = merge.whenNotMatchedInsertAll()
-    truncated = 0
     if truncate_before is not None:
         older = F.col(f"t.`{SEQUENCE}`") < truncate_before
         if spec.delete_mode == "hard":
@@ -304,14 +303,6 @@ def _merge_once(
                     INGESTED_AT: F.lit(ingested_at).cast("timestamp"),
                 },
             )
-        # Counted on the version the MERGE reads (a conflict retries both), so that the
-        # hour's accounting can tell the truncated rows from the keys its changes applied.
-        truncated = (
-            table.toDF()
-            .where((F.col(SEQUENCE) < truncate_before) & ~F.col(DELETED))
-            .join(source.select(*spec.primary_key), list(spec.primary_key), "left_anti")
-            .count()
-        )
     with commit_metadata(spark, run_metadata):
         metrics = merge.execute().first()
         if not metrics["num_affected_rows"]:
@@ -323,7 +314,7 @@ def _merge_once(
     # when they run the same hour, and then the later one commits nothing but the ledger).
     if ledger is not None:  # read from the log's files, no Spark job
         mine = ledger.run_commit(run_metadata, "MERGE")
-        version, source_rows = mine.version, int(mine.metrics["numSourceRows"])
+        version, operation_metrics = mine.version, mine.metrics
     else:
         commit = (
             table.history(20)
@@ -333,9 +324,8 @@ def _merge_once(
             .select("version", "operationMetrics")
             .first()
         )
-        version, source_rows = commit["version"], int(commit["operationMetrics"]["numSourceRows"])
-    outcome = _outcome(spark, spec, path, version, source_rows)
-    return replace(outcome, truncated=truncated)
+        version, operation_metrics = commit["version"], dict(commit["operationMetrics"])
+    return _outcome(spark, spec, path, version, operation_metrics)
 
 
 LEDGER_OPERATION = "SET TBLPROPERTIES"
@@ -379,13 +369,18 @@ def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
 
 
 def _outcome(
-    spark: SparkSession, spec: TableSpec, path: str, version: int, merged_keys: int
+    spark: SparkSession, spec: TableSpec, path: str, version: int, metrics: Mapping[str, str]
 ) -> MergeOutcome:
-    """Counts what the commit changed, pairing its change feed's pre- and post-images per key."""
+    """What MERGE commit `version` did: the keys it took and the changes it applied from
+    Delta's own operation metrics; the live rows inserted, updated and deleted from its change
+    data feed (a soft delete is an update to Delta, a deleted row to the reader)."""
+
+    def metric(name: str) -> int:
+        return int(metrics.get(name) or 0)
+
     feed = change_feed(spark, path, version)
     change = F.col("_change_type")
     per_key = feed.groupBy(*spec.primary_key).agg(
-        F.max(change.isin("insert", "update_postimage", "delete").cast("int")).alias("applied"),
         F.max(F.when(change == "update_preimage", F.col(DELETED))).alias("was_deleted"),
         F.max(F.when(change.isin("insert", "update_postimage"), F.col(DELETED))).alias("is_del"),
         F.max((change == "delete").cast("int")).alias("removed"),
@@ -393,7 +388,6 @@ def _outcome(
     existed = F.col("was_deleted").isNotNull()
     was_live = existed & ~F.col("was_deleted")
     totals = per_key.agg(
-        F.sum("applied").alias("applied"),
         F.sum((~F.col("is_del") & ~was_live).cast("int")).alias("inserted"),
         F.sum((~F.col("is_del") & was_live).cast("int")).alias("updated"),
         F.sum(
@@ -402,11 +396,17 @@ def _outcome(
     ).first()
     return MergeOutcome(
         version=version,
-        merged_keys=merged_keys,
-        applied=totals["applied"] or 0,
+        merged_keys=metric("numSourceRows"),
+        # Changes newer than their rows (or filling a TOASTed value), inserts of new keys.
+        applied=metric("numTargetRowsInserted")
+        + metric("numTargetRowsMatchedUpdated")
+        + metric("numTargetRowsMatchedDeleted"),
         rows_inserted=totals["inserted"] or 0,
         rows_updated=totals["updated"] or 0,
         rows_deleted=totals["deleted"] or 0,
+        # Rows older than a truncate in the hour, which no change of it replaced.
+        truncated=metric("numTargetRowsNotMatchedBySourceUpdated")
+        + metric("numTargetRowsNotMatchedBySourceDeleted"),
     )
 
 

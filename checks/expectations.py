@@ -5,10 +5,11 @@ Write, audit, publish:
 - Hard expectations run on an hour's decoded changes before the MERGE (`audit_changes`). A
   change that fails one goes to the error table with the expectation named as its reason and
   never reaches the mirror. Deletes are not audited: removing a row that breaks a rule is fine.
-- The other expectations run after the MERGE on the rows the hour wrote, read from the commit's
-  change data feed (`validate_written`). `unique` is judged among the live rows: the live rows
-  that share a value with a row the hour wrote must not repeat it, which finds every collision
-  the hour caused without reading whole rows of the table.
+- The other expectations run on the hour's newest change per key (deletes excepted), the batch
+  the MERGE takes, already in memory (`validate_batch`): one validation per hour, no read of the
+  table back. `unique` is judged among the live rows: the live rows that share a value with the
+  hour's rows must not repeat it, which finds every collision the hour caused without reading
+  whole rows of the table.
 - Every table also has the primary key's expectations: not null, and unique among live rows.
 
 Results carry counts and the expectation's parameters as metadata; great-expectations' samples
@@ -32,7 +33,6 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import ExpectationSpec, TableSpec, spark_type
 from cdc_assets.decode import DELETED, KAFKA_OFFSET, KAFKA_PARTITION, OP
-from cdc_assets.merge import change_feed
 
 PK_NOT_NULL = "primary_key_not_null"
 PK_UNIQUE = "primary_key_unique"
@@ -298,6 +298,8 @@ class Audit:
 
     outcomes: tuple[Outcome, ...]
     failed: DataFrame | None  # (_cdc_kafka_partition, _cdc_kafka_offset, reason) to hold back
+    # The changes held back, per error-table reason.
+    reasons: dict[str, int] = field(default_factory=dict)
 
     def check_results(self) -> list[dg.AssetCheckResult]:
         return [
@@ -354,7 +356,7 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
             for row in result.result.get("unexpected_index_list") or ():
                 coordinates = (int(row[KAFKA_PARTITION]), int(row[KAFKA_OFFSET]))
                 failed.setdefault(coordinates, []).append(e.name)
-    frame = None
+    frame, reasons = None, {}
     if failed:
         rows = [
             (p, o, "failed expectations: " + ", ".join(sorted(set(names))))
@@ -362,88 +364,89 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
             else (p, o, f"expectation '{names[0]}' failed")
             for (p, o), names in failed.items()
         ]
+        for _, _, reason in rows:
+            reasons[reason] = reasons.get(reason, 0) + 1
         frame = spark.createDataFrame(
             rows, f"{KAFKA_PARTITION} int, {KAFKA_OFFSET} bigint, _cdc_expectation string"
         )
-    return Audit(tuple(outcomes), frame)
+    return Audit(tuple(outcomes), frame, reasons)
 
 
-# --- publish: the other expectations, after the MERGE ------------------------------------
+# --- publish: the other expectations, on the hour's newest change per key -------------------
 
 
-def written_rows(spark: SparkSession, path: str, version: int) -> DataFrame:
-    """The live rows commit `version` of the mirror wrote (inserted or updated, not deleted)."""
-    return (
-        change_feed(spark, path, version)
-        .where(F.col("_change_type").isin("insert", "update_postimage") & ~F.col(DELETED))
-        .drop("_change_type", "_commit_version", "_commit_timestamp")
-    )
+def validate_nothing(spec: TableSpec) -> list[Outcome]:
+    """The non-hard expectations on an hour without changes: each holds on the empty set."""
+    return [
+        Outcome(e, True, counts={"element_count": 0, "unexpected_count": 0})
+        for e in table_expectations(spec)
+        if not e.hard
+    ]
 
 
-def validate_written(
-    spark: SparkSession, spec: TableSpec, path: str, version: int | None
+def validate_batch(
+    spark: SparkSession, spec: TableSpec, path: str, version: int | None, rows: DataFrame
 ) -> list[Outcome]:
-    """Runs the table's non-hard expectations on what MERGE commit `version` wrote.
-
-    With no commit (`version` None: nothing in the hour was newer than the mirror), the hour
-    wrote no rows and every expectation holds on the empty set.
-    """
+    """Runs the table's non-hard expectations on `rows`, the hour's newest change per key
+    (deletes excepted; cached by the caller), and `unique` among the mirror's live rows at
+    `version` (None: the mirror does not exist)."""
     expectations = [e for e in table_expectations(spec) if not e.hard]
-    if version is None:
-        return [
-            Outcome(e, True, counts={"element_count": 0, "unexpected_count": 0})
-            for e in expectations
-        ]
-    written = written_rows(spark, path, version).persist()
-    try:
-        outcomes: dict[str, Outcome] = {}
-        per_row = [e for e in expectations if e.kind != "unique"]
-        expanded = [(e, gx_e) for e in per_row for gx_e in _gx_expectations(e)]
-        if expanded:
-            results = _validate(
-                written,
-                [gx_e for _, gx_e in expanded],
-                {"result_format": "BASIC", "partial_unexpected_count": 0},
-            )
-            for e in per_row:
-                mine = [r for (owner, _), r in zip(expanded, results, strict=True) if owner is e]
-                outcomes[e.name] = _summarize(e, mine)
-        live = (
-            spark.read.format("delta")
-            .option("versionAsOf", version)
-            .load(path)
-            .where(~F.col(DELETED))
+    outcomes: dict[str, Outcome] = {}
+    per_row = [e for e in expectations if e.kind != "unique"]
+    expanded = [(e, gx_e) for e in per_row for gx_e in _gx_expectations(e)]
+    if expanded:
+        results = _validate(
+            rows,
+            [gx_e for _, gx_e in expanded],
+            {"result_format": "BASIC", "partial_unexpected_count": 0},
         )
-        for e in (e for e in expectations if e.kind == "unique"):
-            # Live rows sharing a value with a written row: a repeat among them is a collision
-            # this hour caused (nulls are never duplicates, as in great-expectations).
-            values = (
-                written.select(*e.columns)
-                .where(
-                    functools.reduce(lambda a, b: a & b, [F.col(c).isNotNull() for c in e.columns])
+        for e in per_row:
+            mine = [r for (owner, _), r in zip(expanded, results, strict=True) if owner is e]
+            outcomes[e.name] = _summarize(e, mine)
+    for e in (e for e in expectations if e.kind == "unique"):
+        outcomes[e.name] = _unique_among_live_rows(spark, e, path, version, rows)
+    return [outcomes[e.name] for e in expectations]
+
+
+def _unique_among_live_rows(
+    spark: SparkSession, e: Expectation, path: str, version: int | None, rows: DataFrame
+) -> Outcome:
+    """Live rows sharing a value with the hour's rows: a repeat among them is a collision the
+    hour caused (nulls are never duplicates, as in great-expectations).
+
+    The mirror is read at its current snapshot, the run's own commit (one writer per table):
+    Delta's cached snapshot, where `versionAsOf` would replay the log again. The few colliding
+    rows are computed once and cached, so great-expectations' metrics don't each redo the join.
+    """
+    values = (
+        rows.select(*e.columns)
+        .where(functools.reduce(lambda a, b: a & b, [F.col(c).isNotNull() for c in e.columns]))
+        .distinct()
+    )
+    if version is None:
+        colliding = values  # no mirror yet: the hour's rows are all there is (one per value)
+    else:
+        live = spark.read.format("delta").load(path).where(~F.col(DELETED))
+        # Only files whose statistics overlap the hour's values' ranges can collide.
+        ranges = values.agg(
+            *[F.min(c).alias(f"low_{n}") for n, c in enumerate(e.columns)],
+            *[F.max(c).alias(f"high_{n}") for n, c in enumerate(e.columns)],
+        ).first()
+        for n, c in enumerate(e.columns):
+            if ranges[f"low_{n}"] is not None:
+                live = live.where(
+                    F.col(c).between(F.lit(ranges[f"low_{n}"]), F.lit(ranges[f"high_{n}"]))
                 )
-                .distinct()
-            )
-            # Only files whose statistics overlap the written values' ranges can collide.
-            ranges = values.agg(
-                *[F.min(c).alias(f"low_{n}") for n, c in enumerate(e.columns)],
-                *[F.max(c).alias(f"high_{n}") for n, c in enumerate(e.columns)],
-            ).first()
-            candidates = live
-            for n, c in enumerate(e.columns):
-                if ranges[f"low_{n}"] is not None:
-                    candidates = candidates.where(
-                        F.col(c).between(F.lit(ranges[f"low_{n}"]), F.lit(ranges[f"high_{n}"]))
-                    )
-            colliding = candidates.join(values, on=list(e.columns), how="left_semi")
-            outcomes[e.name] = _summarize(
-                e,
-                _validate(
-                    colliding,
-                    _gx_expectations(e),
-                    {"result_format": "BASIC", "partial_unexpected_count": 0},
-                ),
-            )
-        return [outcomes[e.name] for e in expectations]
+        colliding = live.join(values, on=list(e.columns), how="left_semi").select(*e.columns)
+    colliding = colliding.persist()
+    try:
+        return _summarize(
+            e,
+            _validate(
+                colliding,
+                _gx_expectations(e),
+                {"result_format": "BASIC", "partial_unexpected_count": 0},
+            ),
+        )
     finally:
-        written.unpersist()
+        colliding.unpersist()
