@@ -9,7 +9,7 @@ import dagster as dg
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
 from cdc_assets.downstream import build_downstream_assets
-from cdc_assets.factory import build_retention_check_for, build_table_asset
+from cdc_assets.factory import build_mirror_assets, build_retention_check_for
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, s3_resource_from_env
@@ -27,10 +27,11 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
     maintenance = [build_maintenance_asset(spec) for spec in specs]
     return dg.Definitions(
-        assets=[*(build_table_asset(spec=spec) for spec in specs), *downstream, *maintenance],
+        assets=[*build_mirror_assets(specs), *downstream, *maintenance],
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
         sensors=[
-            *(build_offset_sensor(spec=spec) for spec in specs),
+            # One sensor for every table: one Kafka read per tick, one run per closed hour.
+            *([build_offset_sensor(specs=specs)] if specs else []),
             *([build_downstream_sensor(downstream)] if downstream else []),
         ],
         schedules=[build_maintenance_schedule(maintenance)] if maintenance else [],

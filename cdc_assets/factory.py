@@ -7,24 +7,23 @@ what running its hours one by one gives.
 """
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
 from pydantic import Field
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError, run_hour
+from cdc_assets.fleet import TableRun, TableWork, run_tables
+from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError, hashed_columns
 from cdc_assets.slicing import SliceError
 from checks.expectations import preload as preload_expectations
 from checks.table_checks import (
     build_retention_check,
-    evaluate_run_checks,
     hour_check_evaluation,
     run_check_specs,
 )
-from resources.kafka import KafkaResource
 from resources.lake import LakeConfigError, LakeResource
 from resources.masking import HmacKey, MaskingKeyError
 from resources.spark import SparkResource
@@ -175,25 +174,60 @@ def report_hours(
     check_specs: list[dg.AssetCheckSpec],
     reports: list[HourReport],
 ) -> Iterator:
-    """The events of a run that materialized `reports`' hours, one or a range."""
+    """The events of a run that materialized `reports`' hours of `spec`, one or a range."""
+    key = dg.AssetKey(spec.name)
     if context.has_partition_key:
         (report,) = reports
-        yield dg.MaterializeResult(metadata=report.metadata, check_results=report.checks)
+        checks = [_for_asset(check, key) for check in report.checks]
+        yield dg.MaterializeResult(asset_key=key, metadata=report.metadata, check_results=checks)
         return
     # A range: each hour's materialization carries that hour's metadata, and each check
     # result is recorded against its hour once the materializations exist.
     for report in reports:
-        context.add_asset_metadata(report.metadata, partition_key=report.hour_key)
-    yield dg.MaterializeResult()
+        context.add_asset_metadata(report.metadata, asset_key=key, partition_key=report.hour_key)
+    yield dg.MaterializeResult(asset_key=key)
+    yield from _check_outputs(context, check_specs, key)
+    yield from _hour_checks(context, spec, check_specs, reports)
+
+
+def report_done_hours(
+    context: dg.AssetExecutionContext,
+    spec: TableSpec,
+    check_specs: list[dg.AssetCheckSpec],
+    reports: list[HourReport],
+) -> Iterator:
+    """The hours a table committed before one of the run's range failed: each recorded as its
+    own partition's materialization, with its checks (the failed hours are not)."""
+    key = dg.AssetKey(spec.name)
+    for report in reports:
+        yield dg.AssetMaterialization(
+            asset_key=key, partition=report.hour_key, metadata=report.metadata
+        )
+    yield from _hour_checks(context, spec, check_specs, reports)
+
+
+def _check_outputs(
+    context: dg.AssetExecutionContext, check_specs: list[dg.AssetCheckSpec], key: dg.AssetKey
+) -> Iterator:
     selected = context.selected_asset_check_keys
     for check_spec in check_specs:
-        if check_spec.key in selected:
+        if check_spec.asset_key == key and check_spec.key in selected:
             # The check's output, once for the run; its results follow, one per hour.
             yield dg.Output(None, output_name=check_spec.get_python_identifier())
-    blocking = {check.name: check.blocking for check in check_specs}
+
+
+def _hour_checks(
+    context: dg.AssetExecutionContext,
+    spec: TableSpec,
+    check_specs: list[dg.AssetCheckSpec],
+    reports: list[HourReport],
+) -> Iterator:
+    key = dg.AssetKey(spec.name)
+    selected = context.selected_asset_check_keys
+    blocking = {check.name: check.blocking for check in check_specs if check.asset_key == key}
     for report in reports:
         for check in report.checks:
-            if dg.AssetCheckKey(dg.AssetKey(spec.name), check.check_name) not in selected:
+            if dg.AssetCheckKey(key, check.check_name) not in selected:
                 continue
             yield hour_check_evaluation(
                 context,
@@ -202,6 +236,17 @@ def report_hours(
                 hour_key=report.hour_key,
                 blocking=blocking[check.check_name],
             )
+
+
+def _for_asset(check: dg.AssetCheckResult, key: dg.AssetKey) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        asset_key=key,
+        check_name=check.check_name,
+        passed=check.passed,
+        severity=check.severity,
+        description=check.description,
+        metadata=check.metadata,
+    )
 
 
 def hour_failure(message: str, done: list[str]) -> dg.Failure:
@@ -230,71 +275,178 @@ def partial_warning(spec: TableSpec, result: HourResult) -> str:
     return f"{spec.name} {result.hour_key} was forced while open: the result is partial."
 
 
+MIRRORS_POOL = "cdc_mirrors"
+
+
+def mirrors_pool() -> str:
+    """The pool of every run that writes mirrors (limit 1): one writer per table, since each
+    table's hours, and its maintenance, run only in runs holding this pool."""
+    return MIRRORS_POOL
+
+
+def build_mirror_assets(specs: Sequence[TableSpec]) -> list[dg.AssetsDefinition]:
+    """The mirrors of `specs`: one multi-asset per set of tables whose hourly partitions start
+    at the same hour, each table still its own asset (partitions, checks, metadata).
+
+    A run materializes any subset of its tables over one hour or a range; the tables run in
+    parallel on the run's Spark session (`cdc_assets.fleet`), hour after hour, and each
+    table-hour is its own materialization, check results and Delta commit.
+    """
+    groups: dict[str, list[TableSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.start_hour, []).append(spec)
+    named = len(groups) > 1
+    return [
+        _mirrors_asset(
+            group,
+            name=f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if named else "mirrors",
+        )
+        for start, group in groups.items()
+    ]
+
+
 def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
-    """The hourly Delta mirror of `spec.topic`; materializing hour H MERGEs H's Kafka slice."""
-    check_specs = run_check_specs(spec, partitions_def=hourly_partitions(spec))
+    """The hourly Delta mirror of `spec.topic` alone (a mirrors multi-asset of one table)."""
+    (asset,) = build_mirror_assets([spec])
+    return asset
 
-    def _mirror(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
-        kafka: KafkaResource = context.resources.kafka
-        spark: SparkResource = context.resources.spark
-        lake: LakeResource = context.resources.lake
-        path = lake.table_path(spec.name)
-        masking_key = _masking_key(context, spec)
-        preload_expectations()  # while the Spark session starts
-        hours: list[tuple[HourResult, list[dg.AssetCheckResult]]] = []
-        for hour_key in context.partition_keys:
-            result = _hour(
-                context, spec, hour_key, config, kafka, spark, lake, masking_key, done=hours
-            )
-            checks = evaluate_run_checks(spark=spark.session, spec=spec, path=path, result=result)
-            hours.append((result, checks))
-        reports = [
-            HourReport(result.hour_key, result_metadata(result, table_path=path), checks)
-            for result, checks in hours
-        ]
-        yield from report_hours(context, spec, check_specs, reports)
 
-    return mirror_asset(
-        spec,
-        _mirror,
-        check_specs=check_specs,
+def _asset_spec(spec: TableSpec, partitions_def: dg.PartitionsDefinition) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        key=spec.name,
         description=asset_description(spec),
-        # Only a table that hashes needs the key, so the others run without one.
-        required_resource_keys={"kafka", "spark", "lake"}
-        | ({"masking"} if hashed_columns(spec) else set()),
+        group_name=spec.group,
+        partitions_def=partitions_def,
+        kinds={"kafka", "spark", "delta"},
+        # A run may carry only some of its tables' hours (a failed table's, say).
+        skippable=True,
+        metadata={
+            "kafka_topic": spec.topic,
+            "primary_key": ", ".join(spec.primary_key),
+            "delete_mode": spec.delete_mode,
+            "error_table": spec.error_table_name,
+            # Names and modes only: what is masked, never a value.
+            **({"sensitive_columns": dict(spec.sensitive)} if spec.sensitive else {}),
+        },
     )
 
 
-def _hour(
-    context: dg.AssetExecutionContext,
-    spec: TableSpec,
-    hour_key: str,
-    config: HourRunConfig,
-    kafka: KafkaResource,
-    spark: SparkResource,
-    lake: LakeResource,
-    masking_key: HmacKey | None,
-    *,
-    done: list,
-) -> HourResult:
-    """Runs one hour of the run's range; a wrong slice or config fails without retries."""
-    try:
-        result = run_hour(
+def _mirrors_asset(specs: list[TableSpec], *, name: str) -> dg.AssetsDefinition:
+    partitions_def = hourly_partitions(specs[0])
+    checks_of = {spec.name: run_check_specs(spec, partitions_def=partitions_def) for spec in specs}
+    by_key = {dg.AssetKey(spec.name): spec for spec in specs}
+    hashing = any(hashed_columns(spec) for spec in specs)
+
+    def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
+        spark: SparkResource = context.resources.spark
+        selected = [spec for key, spec in by_key.items() if key in context.selected_asset_keys]
+        done = _materialized_in_this_run(context) if context.retry_number else set()
+        work = [
+            TableWork(
+                spec,
+                [h for h in context.partition_keys if (spec.name, h) not in done],
+                _masking_key(context, spec),
+            )
+            for spec in selected
+        ]
+        work = [item for item in work if item.hour_keys]
+        preload_expectations()  # while the Spark session starts
+        outcomes = run_tables(
             spark=spark.session,
-            kafka=kafka,
-            lake=lake,
-            spec=spec,
-            hour_key=hour_key,
+            kafka=context.resources.kafka,
+            lake=context.resources.lake,
+            work=work,
+            parallelism=spark.parallel_tables,
             force_open_hour=config.force_open_hour,
-            masking_key=masking_key,
+            local_read_max_records=spark.local_read_max_records,
+            on_done=lambda outcome: _log_table(context, outcome),
         )
-    except NOT_RETRIED as exc:
-        # Retrying can't help: the hour is open, its offsets are gone, or the config is wrong.
-        raise hour_failure(str(exc), [r.hour_key for r, _ in done]) from exc
-    context.log.info(hour_summary(spec, result))
-    if result.partial:
-        context.log.warning(partial_warning(spec, result))
-    return result
+        lake: LakeResource = context.resources.lake
+        failed = []
+        for outcome in outcomes:
+            spec = outcome.spec
+            reports = [
+                HourReport(
+                    hour.result.hour_key,
+                    result_metadata(hour.result, table_path=lake.table_path(spec.name)),
+                    hour.checks,
+                )
+                for hour in outcome.hours
+            ]
+            if outcome.error is None:
+                yield from report_hours(context, spec, checks_of[spec.name], reports)
+            else:
+                failed.append(outcome)
+                yield from report_done_hours(context, spec, checks_of[spec.name], reports)
+        if failed:
+            raise _tables_failure(failed, total=len(work))
+
+    with warnings.catch_warnings():
+        # BackfillPolicy is a beta API; dagster is pinned, so the warning says nothing new.
+        warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*backfill_policy")
+        return dg.multi_asset(
+            name=name,
+            specs=[_asset_spec(spec, partitions_def) for spec in specs],
+            check_specs=[check for checks in checks_of.values() for check in checks],
+            can_subset=True,
+            partitions_def=partitions_def,
+            pool=mirrors_pool(),
+            # A backfill runs as few runs as possible, each over a bounded range of hours.
+            backfill_policy=dg.BackfillPolicy.multi_run(
+                max_partitions_per_run=min(spec.hours_per_run for spec in specs)
+            ),
+            # Transient failures (a broker or Spark hiccup) are retried, and a retry runs only
+            # the table-hours not yet materialized; a wrong slice or config is not retried.
+            retry_policy=dg.RetryPolicy(
+                max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
+            ),
+            required_resource_keys={"kafka", "spark", "lake"} | ({"masking"} if hashing else set()),
+        )(_mirrors)
+
+
+def _log_table(context: dg.AssetExecutionContext, outcome: TableRun) -> None:
+    spec = outcome.spec
+    for hour in outcome.hours:
+        context.log.info(f"{hour_summary(spec, hour.result)} ({hour.seconds:.1f} s)")
+        if hour.result.partial:
+            context.log.warning(partial_warning(spec, hour.result))
+    if outcome.error is not None:
+        context.log.error(f"{spec.name} {outcome.failed_hour}: {_describe(outcome.error)}")
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, NOT_RETRIED) else f"{type(error).__name__}: {error}"
+
+
+def _tables_failure(failed: list[TableRun], *, total: int) -> dg.Failure:
+    """The run's failure when some of its tables failed: each named with its hour and reason.
+    Retried only when retrying can help one of them; a retry runs what is not yet done."""
+    lines = []
+    for outcome in failed:
+        done = [hour.result.hour_key for hour in outcome.hours]
+        lines.append(
+            f"{outcome.spec.name} {outcome.failed_hour}: {_describe(outcome.error)}"
+            + (f" (its hours {done[0]} to {done[-1]} were committed and recorded)" if done else "")
+        )
+    retriable = any(not isinstance(outcome.error, NOT_RETRIED) for outcome in failed)
+    return dg.Failure(
+        description=f"{len(failed)} of {total} tables failed; the others were materialized.\n"
+        + "\n".join(lines),
+        allow_retries=retriable,
+    )
+
+
+def _materialized_in_this_run(context: dg.AssetExecutionContext) -> set[tuple[str, str]]:
+    """(table, hour) pairs an earlier attempt of this run already materialized."""
+    records = context.instance.get_records_for_run(
+        context.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION, limit=100_000
+    ).records
+    done = set()
+    for record in records:
+        materialization = record.asset_materialization
+        if materialization is not None and materialization.partition:
+            done.add((materialization.asset_key.to_user_string(), materialization.partition))
+    return done
 
 
 def _masking_key(context: dg.AssetExecutionContext, spec: TableSpec) -> HmacKey | None:

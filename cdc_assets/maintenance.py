@@ -44,7 +44,7 @@ retention, and before a planned pause longer than it raise the mirrors' retentio
 (`ALTER TABLE delta.`<path>` SET TBLPROPERTIES ('delta.deletedFileRetentionDuration' =
 'interval 14 days')`) and run the maintenance with the same `retain_hours`.
 
-Runs: the asset is in its table's pool (`cdc_table_<name>`, limit 1), so it never runs beside a
+Runs: the asset is in the mirrors' pool (`cdc_mirrors`, limit 1), so it never runs beside a
 MERGE into the same table, and the single-writer rule on S3 still holds. The daily schedule
 `cdc_maintenance_daily` (03:00 UTC) runs every table's maintenance in one run, one Spark session,
 table after table. It is STOPPED by default: the offset sensors only add data and are on, but
@@ -66,7 +66,7 @@ from pydantic import Field
 from pyspark.sql import Row, SparkSession
 
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import table_pool
+from cdc_assets.factory import mirrors_pool
 from resources.lake import LakeResource
 from resources.spark import SparkResource
 
@@ -281,7 +281,7 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
             f"the `{MAINTENANCE_SCHEDULE}` schedule once it is turned on."
         ),
         deps=[dg.AssetKey(spec.name)],
-        pool=table_pool(spec),
+        pool=mirrors_pool(),
         kinds={"spark", "delta"},
         metadata={"table": spec.name, "zorder_by": keys, "error_table": spec.error_table_name},
     )

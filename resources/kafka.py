@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,39 @@ from kafka import KafkaConsumer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import KafkaTimeoutError
 from pydantic import Field, field_validator
+
+
+class _NoFetchedRecords(logging.Filter):
+    """Keeps the records a fetch brought out of kafka-python's DEBUG log: its connection and
+    protocol parser log every response whole, and the raw bytes received, and a fetch holds
+    the topic's rows, which a small slice read in the driver (cdc_assets/read.py) would
+    otherwise write to the log. Those arguments are replaced by their type and size."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.levelno <= logging.DEBUG:
+            record.args = tuple(_without_records(arg) for arg in record.args)
+        return True
+
+
+def _without_records(arg: Any) -> Any:
+    if isinstance(arg, bytes | bytearray | memoryview):
+        return f"<{len(arg)} bytes>"
+    if "Fetch" in type(arg).__name__:
+        return f"<{type(arg).__name__}: records not logged>"
+    return arg
+
+
+_RECORDS_FILTER = _NoFetchedRecords()
+# The loggers that write responses or received bytes (kafka-python 3.0).
+_RESPONSE_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.protocol.parser")
+
+
+def _keep_records_out_of_logs() -> None:
+    for name in _RESPONSE_LOGGERS:
+        logger = logging.getLogger(name)
+        if _RECORDS_FILTER not in logger.filters:
+            logger.addFilter(_RECORDS_FILTER)
+
 
 _LOGIN_MODULES = {
     "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
@@ -99,6 +133,7 @@ class KafkaResource(dg.ConfigurableResource):
 
         `committed=False` reads uncommitted, to see high watermarks (open transactions).
         """
+        _keep_records_out_of_logs()
         with self._explained_bootstrap():
             return KafkaConsumer(
                 enable_auto_commit=False,

@@ -85,6 +85,22 @@ class SparkResource(dg.ConfigurableResource):
             "snapshot of a small table slow); raise it for tables with very long logs."
         ),
     )
+    parallel_tables: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "Tables a run works on at once, each in a thread with a Spark session of its own "
+            "(FAIR scheduling between them); about the cores the driver and executors have."
+        ),
+    )
+    local_read_max_records: int = Field(
+        default=20_000,
+        ge=0,
+        description=(
+            "An hour whose slice holds at most this many records is read and decoded in the "
+            "driver, without a Spark job for the read; larger ones by Spark's Kafka source."
+        ),
+    )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
     python_executable: str | None = Field(
         default=None,
@@ -111,6 +127,8 @@ class SparkResource(dg.ConfigurableResource):
             # Secrets in Kafka options and S3 settings stay out of Spark's logged configuration.
             "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
             "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),
+            # A run's tables share the executors fairly (cdc_assets/fleet.py).
+            "spark.scheduler.mode": "FAIR",
         }
         class_path = s3_class_path(Path(self.s3_jars_dir))
         if class_path:

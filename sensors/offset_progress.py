@@ -33,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
@@ -44,7 +44,7 @@ from kafka.errors import KafkaError
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HOUR_KEY_FORMAT, hour_start
-from cdc_assets.slicing import open_reason, open_transactions, topic_partitions
+from cdc_assets.slicing import SliceError, open_reason, open_transactions, topic_partitions
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
 
@@ -155,6 +155,17 @@ class TickPlan:
     waiting: str | None  # why the oldest open hour is open
 
 
+@dataclass(frozen=True)
+class Watch:
+    """What a tick reads of one table's topic: from `watch_from` (None on the table's first
+    tick: from the hour of its oldest message since `floor`, the table's first hour) to now."""
+
+    table: str
+    topic: str
+    watch_from: datetime | None
+    floor: datetime
+
+
 def read_progress(
     consumer: KafkaConsumer,
     uncommitted: KafkaConsumer,
@@ -165,34 +176,82 @@ def read_progress(
     floor: datetime,
     now: datetime,
 ) -> TopicProgress:
-    """Reads what a tick needs from Kafka: offsets per hour boundary from `watch_from` (on the
-    first tick: the hour of the oldest message since `floor`) to now, log starts, stable ends.
-    """
-    tps = topic_partitions(consumer, table=table, topic=topic)
-    log_starts = consumer.beginning_offsets(tps)
-    first_data_hour = None
-    if watch_from is None:  # only the first tick looks for where the data begins
-        first = consumer.offsets_for_times({tp: _ms(floor) for tp in tps})
-        first_ms = [ts.timestamp for ts in first.values() if ts is not None]
-        first_data_hour = max(floor_hour(_from_ms(min(first_ms))), floor) if first_ms else None
-    found: dict[datetime, dict[int, int | None]] = {}
-    start = watch_from or first_data_hour or floor_hour(now)
-    hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
-    for moment in (start + HOUR * n for n in range(hours + 1)):
-        at = consumer.offsets_for_times({tp: _ms(moment) for tp in tps})
-        found[moment] = {tp.partition: (None if at[tp] is None else at[tp].offset) for tp in tps}
+    """`read_fleet_progress` of one table; raises its error (a missing topic, say)."""
+    found = read_fleet_progress(
+        consumer, uncommitted, [Watch(table, topic, watch_from, floor)], now=now
+    )[table]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def read_fleet_progress(
+    consumer: KafkaConsumer,
+    uncommitted: KafkaConsumer,
+    watches: Sequence[Watch],
+    *,
+    now: datetime,
+) -> dict[str, TopicProgress | SliceError]:
+    """Reads what a tick needs of every watched topic at once: offsets per hour boundary from
+    each table's `watch_from` to now, log starts, stable ends, open transactions, and the newest
+    timestamps. Each Kafka request covers every topic (one per hour boundary for the offsets by
+    time), so a tick's cost follows the hours watched, not the number of tables. A table whose
+    topic is missing gets its error instead; the others are read."""
+    consumer.topics()  # one metadata request for every topic; the lookups below use it
+    tps_of: dict[str, list[TopicPartition]] = {}
+    out: dict[str, TopicProgress | SliceError] = {}
+    for watch in watches:
+        try:
+            tps_of[watch.table] = topic_partitions(consumer, table=watch.table, topic=watch.topic)
+        except SliceError as error:
+            out[watch.table] = error
+    every = sorted({tp for tps in tps_of.values() for tp in tps})
+    if not every:
+        return out
+    log_starts = consumer.beginning_offsets(every)
+    # First ticks look for where each table's data begins (by its own first hour).
+    first_hour: dict[str, datetime | None] = {}
+    firsts = [w for w in watches if w.table in tps_of and w.watch_from is None]
+    for floor in sorted({w.floor for w in firsts}):
+        tps = sorted({tp for w in firsts if w.floor == floor for tp in tps_of[w.table]})
+        at = consumer.offsets_for_times({tp: _ms(floor) for tp in tps})
+        for w in (w for w in firsts if w.floor == floor):
+            stamps = [at[tp].timestamp for tp in tps_of[w.table] if at[tp] is not None]
+            first_hour[w.table] = max(floor_hour(_from_ms(min(stamps))), floor) if stamps else None
+    # The hour boundaries each table needs, looked up together per boundary.
+    wanted: dict[datetime, set[TopicPartition]] = {}
+    starts: dict[str, datetime] = {}
+    for watch in (w for w in watches if w.table in tps_of):
+        start = watch.watch_from or first_hour.get(watch.table) or floor_hour(now)
+        starts[watch.table] = start
+        hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
+        for moment in (start + HOUR * n for n in range(hours + 1)):
+            wanted.setdefault(moment, set()).update(tps_of[watch.table])
+    offsets: dict[datetime, dict[TopicPartition, int | None]] = {}
+    for moment, tps in sorted(wanted.items()):
+        at = consumer.offsets_for_times({tp: _ms(moment) for tp in sorted(tps)})
+        offsets[moment] = {tp: (None if at[tp] is None else at[tp].offset) for tp in tps}
     # Fetched last: every offset found above lies below these.
-    stable_ends = consumer.end_offsets(tps)
+    stable_ends = consumer.end_offsets(every)
     pending = open_transactions(uncommitted, stable_ends)
-    return TopicProgress(
-        partitions=tuple(tp.partition for tp in tps),
-        log_starts={tp.partition: o for tp, o in log_starts.items()},
-        stable_ends={tp.partition: o for tp, o in stable_ends.items()},
-        in_transaction=frozenset(tp.partition for tp in pending),
-        boundaries=found,
-        newest_ms=_newest_timestamps(consumer, tps, log_starts, stable_ends),
-        first_data_hour=first_data_hour,
-    )
+    newest = _newest_timestamps(consumer, every, log_starts, stable_ends)
+    for watch in (w for w in watches if w.table in tps_of):
+        tps = tps_of[watch.table]
+        start = starts[watch.table]
+        hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
+        out[watch.table] = TopicProgress(
+            partitions=tuple(tp.partition for tp in tps),
+            log_starts={tp.partition: log_starts[tp] for tp in tps},
+            stable_ends={tp.partition: stable_ends[tp] for tp in tps},
+            in_transaction=frozenset(tp.partition for tp in tps if tp in pending),
+            boundaries={
+                moment: {tp.partition: offsets[moment][tp] for tp in tps}
+                for moment in (start + HOUR * n for n in range(hours + 1))
+            },
+            newest_ms={tp.partition: newest[tp] for tp in tps if tp in newest},
+            first_data_hour=first_hour.get(watch.table),
+        )
+    return out
 
 
 def _newest_timestamps(
@@ -200,7 +259,7 @@ def _newest_timestamps(
     tps: list[TopicPartition],
     log_starts: Mapping[TopicPartition, int],
     stable_ends: Mapping[TopicPartition, int],
-) -> dict[int, int]:
+) -> dict[TopicPartition, int]:
     """The newest committed message's timestamp per partition (a few records read at the end)."""
     wanted = [tp for tp in tps if stable_ends[tp] > log_starts[tp]]
     if not wanted:
@@ -209,15 +268,14 @@ def _newest_timestamps(
     for tp in wanted:
         # A few records back: the very last offset may be a transaction marker.
         consumer.seek(tp, max(stable_ends[tp] - 5, log_starts[tp]))
-    newest: dict[int, int] = {}
+    newest: dict[TopicPartition, int] = {}
     remaining = set(wanted)
-    for _ in range(10):
+    for _ in range(10 + len(wanted) // 50):
         for tp, records in consumer.poll(timeout_ms=200).items():
-            newest[tp.partition] = max(
-                [newest.get(tp.partition, 0)] + [r.timestamp for r in records]
-            )
+            newest[tp] = max([newest.get(tp, 0)] + [r.timestamp for r in records])
             if consumer.position(tp) >= stable_ends[tp]:
                 remaining.discard(tp)
+                consumer.pause(tp)
         if not remaining:
             break
     consumer.unsubscribe()
@@ -357,110 +415,205 @@ def _from_ms(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
+@dataclass
+class FleetCursor:
+    """The sensor's cursor: each table's `Cursor`, and when its lag was last observed."""
+
+    tables: dict[str, Cursor] = field(default_factory=dict)
+    # table -> [lag_messages, epoch seconds] of the last lag observation recorded
+    lag: dict[str, list] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: str | None) -> FleetCursor:
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(
+            tables={name: Cursor.parse(json.dumps(c)) for name, c in data["tables"].items()},
+            lag={name: list(v) for name, v in data.get("lag", {}).items()},
+        )
+
+    def dump(self) -> str:
+        return json.dumps(
+            {
+                "tables": {n: json.loads(c.dump()) for n, c in sorted(self.tables.items())},
+                "lag": dict(sorted(self.lag.items())),
+            },
+            sort_keys=True,
+        )
+
+
+# A table's lag is observed when its count of unread messages changes, and at least this often.
+LAG_OBSERVATION_SECONDS = 300
+
+
 def build_offset_sensor(
     *,
-    spec: TableSpec,
+    specs: Sequence[TableSpec],
+    name: str = "cdc_offsets",
     minimum_interval_seconds: int = 30,
     watch_hours: int = 24,
     kafka_timeout_seconds: float = 20.0,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    """The offset-progress sensor of `spec`'s mirror asset (see the module docstring)."""
-    asset_key = dg.AssetKey(spec.name)
+    """The offset-progress sensor of every mirror in `specs` (see the module docstring).
+
+    One tick reads every topic at once (`read_fleet_progress`) and plans each table's hours
+    (`plan_tick`); the tables whose same hours closed are requested together, in one run of
+    the mirrors' multi-asset, which works on them in parallel.
+    """
+    by_name = {spec.name: spec for spec in specs}
 
     @dg.sensor(
-        name=f"{spec.name}_offsets",
+        name=name,
         description=(
-            f"Watches Kafka topic `{spec.topic}` and materializes each hour of `{spec.name}` "
-            "once every partition has moved past it (or its allowed lateness passed); "
-            "records the table's consumer lag as an observation."
+            f"Watches the Kafka topics of {len(specs)} mirrored tables and materializes each "
+            "table's hours once every partition of its topic has moved past them (or its "
+            "allowed lateness passed), tables with the same hours together in one run; "
+            "records each table's consumer lag as an observation."
         ),
-        target=[asset_key],
+        target=[dg.AssetKey(spec.name) for spec in specs],
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
     )
     def _offsets(context: dg.SensorEvaluationContext, kafka: KafkaResource) -> dg.SensorResult:
         now = datetime.now(UTC)
-        cursor = Cursor.parse(context.cursor)
-        watch_from = hour_start(cursor.watch_from) if cursor.watch_from else None
+        cursor = FleetCursor.parse(context.cursor)
+        watches = [
+            Watch(
+                spec.name,
+                spec.topic,
+                hour_start(known.watch_from)
+                if (known := cursor.tables.get(spec.name)) and known.watch_from
+                else None,
+                spec.start_datetime,
+            )
+            for spec in specs
+        ]
 
-        def read() -> TopicProgress:
+        def read() -> dict[str, TopicProgress | SliceError]:
             consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
             try:
-                return read_progress(
-                    consumer,
-                    uncommitted,
-                    table=spec.name,
-                    topic=spec.topic,
-                    watch_from=watch_from,
-                    floor=spec.start_datetime,
-                    now=now,
-                )
+                return read_fleet_progress(consumer, uncommitted, watches, now=now)
             finally:
                 consumer.close()
                 uncommitted.close()
 
+        tables = ", ".join(f"'{spec.name}'" for spec in specs[:3]) + (
+            f" and {len(specs) - 3} more" if len(specs) > 3 else ""
+        )
         progress = with_deadline(
             kafka_timeout_seconds,
-            f"table '{spec.name}', topic '{spec.topic}', bootstrap servers "
-            f"{kafka.bootstrap_servers}",
+            f"table {tables}, bootstrap servers {kafka.bootstrap_servers}",
             read,
         )
-        if watch_from is None:
-            # First tick: start at the first hour holding data (a slice that starts above a
-            # non-zero log start still reports the loss when it runs).
-            if progress.first_data_hour is None:
-                return dg.SensorResult(
-                    skip_reason=f"topic '{spec.topic}' holds no message since {spec.start_hour}",
-                    asset_events=[_lag_observation(context, asset_key, progress)],
+        together: dict[tuple[str, ...], list[tuple[TableSpec, HourRange]]] = {}
+        waiting, events = [], []
+        for watch in watches:
+            spec, found = by_name[watch.table], progress[watch.table]
+            if isinstance(found, SliceError):
+                context.log.error(str(found))
+                waiting.append(f"{spec.name}: {found}")
+                continue
+            watch_from = watch.watch_from or found.first_data_hour
+            if watch_from is None:
+                waiting.append(f"{spec.name}: no message since {spec.start_hour}")
+            else:
+                key = dg.AssetKey(spec.name)
+                plan = plan_tick(
+                    spec,
+                    found,
+                    cursor.tables.get(spec.name, Cursor()),
+                    now=now,
+                    watch_from=watch_from,
+                    watch_hours=watch_hours,
+                    already_materialized=lambda hours, key=key: _materialized_with_slice(
+                        context, key, hours
+                    ),
                 )
-            watch_from = progress.first_data_hour
-        plan = plan_tick(
-            spec,
-            progress,
-            cursor,
-            now=now,
-            watch_from=watch_from,
-            watch_hours=watch_hours,
-            already_materialized=lambda hours: _materialized_with_slice(context, asset_key, hours),
-        )
-        requests = [_run_request(spec, asset_key, hours) for hours in plan.ranges]
-        if requests:
+                cursor.tables[spec.name] = plan.cursor
+                for hours in plan.ranges:
+                    span = tuple(h.key for h in hours.hours)
+                    together.setdefault(span, []).append((spec, hours))
+                if not plan.ranges and plan.waiting:
+                    waiting.append(f"{spec.name}: {plan.waiting}")
+            observation = _lag_if_due(context, spec, found, cursor, now)
+            if observation is not None:
+                events.append(observation)
+        requests = [_run_request(span, tables) for span, tables in sorted(together.items())]
+        for span, tables in sorted(together.items()):
             context.log.info(
-                f"{spec.name}: requesting "
-                + ", ".join(
-                    f"{r.first}..{r.last}" if len(r.hours) > 1 else r.first for r in plan.ranges
-                )
+                f"requesting {span[0]}"
+                + (f"..{span[-1]}" if len(span) > 1 else "")
+                + f" of {len(tables)} tables: "
+                + ", ".join(spec.name for spec, _ in tables)
             )
+        skip = None
+        if not requests:
+            skip = "; ".join(waiting[:5]) or "every closed hour was requested"
         return dg.SensorResult(
-            run_requests=requests,
-            cursor=plan.cursor.dump(),
-            asset_events=[_lag_observation(context, asset_key, progress)],
-            skip_reason=None if requests else (plan.waiting or "every closed hour was requested"),
+            run_requests=requests, cursor=cursor.dump(), asset_events=events, skip_reason=skip
         )
 
     return _offsets
 
 
-def _run_request(spec: TableSpec, asset_key: dg.AssetKey, hours: HourRange) -> dg.RunRequest:
-    tags = {"cdc/table": spec.name, "cdc/trigger": "offset_sensor"}
-    # The checks evaluated in the hour's own run; retention_risk is re-run on its own.
-    checks = [dg.AssetCheckKey(asset_key, name) for name in run_check_names(spec)]
-    if len(hours.hours) == 1:
+def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]]) -> dg.RunRequest:
+    """One run for the tables whose same hours closed. The run key names each table's slices,
+    so Dagster starts them once; a table whose slice later changes is requested again."""
+    keys = [dg.AssetKey(spec.name) for spec, _ in tables]
+    if len(tables) == 1:
+        run_key = tables[0][1].run_key(tables[0][0].name)
+    else:
+        digest = hashlib.sha1(
+            "|".join(hours.run_key(spec.name) for spec, hours in tables).encode()
+        ).hexdigest()
+        span_text = span[0] + (f"..{span[-1]}" if len(span) > 1 else "")
+        run_key = f"{len(tables)} tables:{span_text}:{digest[:16]}"
+    tags = {"cdc/trigger": "offset_sensor", "cdc/tables": str(len(tables))}
+    if len(tables) == 1:
+        tags["cdc/table"] = tables[0][0].name
+    # The checks evaluated in each hour's own run; retention_risk is re-run on its own.
+    checks = [
+        dg.AssetCheckKey(key, name)
+        for (spec, _), key in zip(tables, keys, strict=True)
+        for name in run_check_names(spec)
+    ]
+    if len(span) == 1:
         return dg.RunRequest(
-            run_key=hours.run_key(spec.name),
-            asset_selection=[asset_key],
+            run_key=run_key,
+            asset_selection=keys,
             asset_check_keys=checks,
-            partition_key=hours.first,
+            partition_key=span[0],
             tags=tags,
         )
     # A range of hours in one run, as a backfill launches it.
     return dg.RunRequest(
-        run_key=hours.run_key(spec.name),
-        asset_selection=[asset_key],
+        run_key=run_key,
+        asset_selection=keys,
         asset_check_keys=checks,
-        tags={**tags, RANGE_START_TAG: hours.first, RANGE_END_TAG: hours.last},
+        tags={**tags, RANGE_START_TAG: span[0], RANGE_END_TAG: span[-1]},
     )
+
+
+def _lag_if_due(
+    context: dg.SensorEvaluationContext,
+    spec: TableSpec,
+    progress: TopicProgress,
+    cursor: FleetCursor,
+    now: datetime,
+) -> dg.AssetObservation | None:
+    """The table's lag observation, when its unread count changed or the last one is old."""
+    unread = sum(progress.stable_ends.values()) - sum(progress.log_starts.values())
+    last = cursor.lag.get(spec.name)
+    if (
+        last is not None
+        and last[0] == unread
+        and now.timestamp() - last[1] < LAG_OBSERVATION_SECONDS
+    ):
+        return None
+    cursor.lag[spec.name] = [unread, round(now.timestamp())]
+    return _lag_observation(context, dg.AssetKey(spec.name), progress)
 
 
 def _materialized_with_slice(

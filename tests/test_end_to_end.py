@@ -300,19 +300,18 @@ def _everything_lives_in_postgres(d: dict, run_ids: list[str], hour: str) -> Non
                 hour,
             )
             assert materializations == 1, spec.name
-            # The sensor's ticks (schedule storage).
-            ticks = one(
-                "SELECT count(*) FROM job_ticks t JOIN jobs j ON t.job_origin_id = j.job_origin_id"
-                " WHERE j.job_type = 'SENSOR' AND strpos(j.job_body, %s) > 0",
-                f'"{spec.name}_offsets"',
-            )
-            assert ticks >= 1, f"no tick of {spec.name}_offsets in job_ticks"
-            # The table's pool, limit 1 (default_limit), is known to the instance.
-            cursor.execute(
-                'SELECT "limit" FROM concurrency_limits WHERE concurrency_key = %s',
-                (f"cdc_table_{spec.name}",),
-            )
-            assert cursor.fetchall() == [(1,)], spec.name
+        # The sensor's ticks (schedule storage): one sensor watches every table.
+        ticks = one(
+            "SELECT count(*) FROM job_ticks t JOIN jobs j ON t.job_origin_id = j.job_origin_id"
+            " WHERE j.job_type = 'SENSOR' AND strpos(j.job_body, %s) > 0",
+            '"cdc_offsets"',
+        )
+        assert ticks >= 1, "no tick of cdc_offsets in job_ticks"
+        # The mirrors' pool, limit 1 (default_limit), is known to the instance.
+        cursor.execute(
+            'SELECT "limit" FROM concurrency_limits WHERE concurrency_key = %s', ("cdc_mirrors",)
+        )
+        assert cursor.fetchall() == [(1,)]
         cursor.execute("SELECT daemon_type FROM daemon_heartbeats")
         daemons = {row[0] for row in cursor.fetchall()}
         assert {"SENSOR", "QUEUED_RUN_COORDINATOR", "MONITORING"} <= daemons, daemons

@@ -167,7 +167,7 @@ def emr_on_ec2_resources() -> dict[str, Any]:
 def build_definitions(specs: list[TableSpec], resources: dict[str, Any]) -> dg.Definitions:
     return dg.Definitions(
         assets=[build_pipes_table_asset(spec=spec) for spec in specs],
-        sensors=[build_offset_sensor(spec=spec) for spec in specs],
+        sensors=[build_offset_sensor(specs=specs)],
         # The run worker only waits for the jobs; one process for all the assets of a run.
         executor=dg.in_process_executor,
         resources=resources,

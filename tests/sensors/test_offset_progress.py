@@ -22,6 +22,7 @@ from sensors.offset_progress import (
     RANGE_END_TAG,
     RANGE_START_TAG,
     Cursor,
+    FleetCursor,
     KafkaUnavailableError,
     build_offset_sensor,
     with_deadline,
@@ -63,7 +64,8 @@ class Ticks:
     """Evaluates one table's sensor repeatedly, carrying the cursor like the daemon."""
 
     def __init__(self, spec: TableSpec, kafka: KafkaResource, instance: dg.DagsterInstance):
-        self.sensor = build_offset_sensor(spec=spec)
+        self.sensor = build_offset_sensor(specs=[spec])
+        self.name = spec.name
         self.kafka, self.instance, self.cursor = kafka, instance, None
 
     def tick(self) -> dg.SensorResult:
@@ -105,7 +107,7 @@ def test_closed_hours_are_requested_once_and_an_idle_partition_keeps_an_hour_ope
     checks = {key.name for key in first.run_requests[0].asset_check_keys}
     assert "accounting" in checks and "retention_risk" not in checks
     # H0 and H1 can't change any more: they left the cursor; H2 is watched.
-    assert Cursor.parse(ticks.cursor).watch_from == KEYS[2]
+    assert FleetCursor.parse(ticks.cursor).tables[spec.name].watch_from == KEYS[2]
 
     again = ticks.tick()
     assert again.run_requests == []
