@@ -165,3 +165,98 @@ def report(results: dict, stem: Path) -> None:
     stem.with_suffix(".md").write_text(markdown + "\n")
     plot(results, stem.with_suffix(".png"))
     print(f"results: {stem}.json, {stem}.md, {stem}.png")
+
+
+# ---------------------------------------------------------------- the fleet profile
+
+FLEET_COLUMNS = (
+    ("case", 10),
+    ("wall s", 8),
+    ("table-hours/min", 15),
+    ("tick s", 7),
+    ("small th s", 10),
+    ("empty th s", 10),
+    ("peak GiB", 8),
+    ("1st hour s", 10),
+    ("delta-rs s", 10),
+    ("result", 8),
+)
+
+
+def _fleet_case(results: dict, tables: int) -> dict | None:
+    return next((c for c in results["cases"] if c["case"] == f"fleet-{tables}"), None)
+
+
+def fleet_targets(results: dict) -> list[dict]:
+    """Issue 16's targets, from the fleet cases this run measured."""
+    big, small = _fleet_case(results, 200), _fleet_case(results, 50)
+    marginal = None
+    if big and small:
+        marginal = round(
+            (big["hour"]["wall_s"] - small["hour"]["wall_s"]) / (big["tables"] - small["tables"]),
+            2,
+        )
+    peaks = [c["hour"]["peak_rss_bytes"] for c in results["cases"]]
+    ticks = [c["hour"]["sensor"]["first_tick_s"] for c in results["cases"]]
+    measured = [
+        ("200 tables' hour, closed to materialized with checks, s", 600, "max",
+         big and big["hour"]["wall_s"]),
+        ("table-hours per minute, 200 tables", 20, "min",
+         big and big["hour"]["table_hours_per_minute"]),
+        ("marginal s per small table-hour (200 vs 50 tables)", 3.0, "max", marginal),
+        ("peak memory of the daemon's process tree, GiB", 6.0, "max",
+         round(max(peaks) / 2**30, 2) if peaks else None),
+        ("longest sensor tick, s", 10.0, "max", max(ticks) if ticks else None),
+    ]  # fmt: skip
+    out = []
+    for name, target, kind, value in measured:
+        met = None if value is None else (value <= target if kind == "max" else value >= target)
+        out.append(
+            {
+                "target": name,
+                "goal": f"{'<=' if kind == 'max' else '>='} {target}",
+                "measured": value,
+                "met": met,
+            }
+        )
+    return out
+
+
+def fleet_rows(results: dict) -> list[list[str]]:
+    out = []
+    for case in results["cases"]:
+        hour, per = case["hour"], case["hour"]["table_hour_s"]
+        check = case.get("check", {})
+        out.append(
+            [
+                case["case"],
+                f"{hour['wall_s']:.1f}",
+                f"{hour['table_hours_per_minute']}",
+                f"{hour['sensor']['first_tick_s']:.1f}",
+                f"{per['median_small']}",
+                f"{per['median_empty']}",
+                f"{hour['peak_rss_bytes'] / 2**30:.2f}",
+                f"{case['first_hour']['wall_s']:.1f}",
+                f"{case['delta_rs'].get('hour_s')}",
+                "ok" if check.get("equal") == check.get("tables") else "FAIL",
+            ]
+        )
+    return out
+
+
+def fleet_report(results: dict, stem: Path) -> None:
+    header = "  ".join(name.ljust(width) for name, width in FLEET_COLUMNS)
+    lines = [header, "-" * len(header)]
+    for row in fleet_rows(results):
+        lines.append(
+            "  ".join(v.ljust(width) for v, (_, width) in zip(row, FLEET_COLUMNS, strict=True))
+        )
+    print("\n".join(lines))
+    print()
+    print(targets_table(results))
+    markdown = ["| " + " | ".join(name for name, _ in FLEET_COLUMNS) + " |"]
+    markdown.append("|" + "---|" * len(FLEET_COLUMNS))
+    markdown += ["| " + " | ".join(row) + " |" for row in fleet_rows(results)]
+    text = "\n".join(markdown) + "\n\n" + targets_table(results, markdown=True)
+    stem.with_suffix(".md").write_text(text + "\n")
+    print(f"results: {stem}.json, {stem}.md")

@@ -156,6 +156,14 @@ def naive(job: dict, phases: dict) -> dict:
     return {}
 
 
+def _is_json(value: bytes) -> bool:
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
+
+
 def delta_rs(job: dict, phases: dict) -> dict:
     import numpy as np
     import pyarrow as pa
@@ -190,6 +198,8 @@ def delta_rs(job: dict, phases: dict) -> dict:
                 done.add(tp)
                 consumer.pause(tp)
     consumer.close()
+    if job.get("skip_invalid"):  # no error table here: a record that is no JSON is dropped
+        values = [v for v in values if _is_json(v)]
     phases["read"] = time.monotonic() - T0
 
     row = pa.struct([(c, arrow_json_type(t)) for c, t in COLUMNS.items()])

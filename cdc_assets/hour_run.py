@@ -296,7 +296,8 @@ def _apply_hour(
     stored_schema = mirror_schema(spark, path)
     check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     ingested_at = datetime.now(UTC)
-    if hour_slice.size <= local_read_max_records:
+    local = hour_slice.size <= local_read_max_records
+    if local:
         consumer = kafka.consumer()
         try:
             records: DataFrame | pa.RecordBatch = read_slice_locally(consumer, hour_slice)
@@ -313,6 +314,10 @@ def _apply_hour(
         batch.frame.unpersist()
         added |= new
         batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    # A slice read here is a local relation: every frame derived from it is cheap to compute
+    # again and deterministic, so nothing is cached and the MERGE takes it as it is. A slice
+    # Spark read is cached once decoded, and the MERGE materializes its source (Delta's auto).
+    keep = (lambda frame: frame) if local else (lambda frame: frame.persist(_CACHED))
     # From here on `spec` describes the mirror: hashed columns are strings, dropped ones gone,
     # added ones there.
     stored = stored_spec(spec)
@@ -325,11 +330,10 @@ def _apply_hour(
         newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
         errors, reasons = tally.errors, dict(tally.reasons)
         if audit is not None and audit.failed is not None:
-            decoded = (
+            decoded = keep(
                 decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
                 .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
                 .drop("_cdc_expectation")
-                .persist(StorageLevel.MEMORY_AND_DISK)
             )
             frames.append(decoded)
             errors += sum(audit.reasons.values())
@@ -373,23 +377,25 @@ def _apply_hour(
         if hour_truncate is not None:
             commit["truncated_before"] = hour_truncate
         # The newest change per key: the MERGE's source and what the expectations judge.
-        latest = latest_per_key(good, spec).persist(StorageLevel.MEMORY_AND_DISK)
+        latest = keep(latest_per_key(good, spec))
         frames.append(latest)
-        outcome = merge_changes(
-            spark,
-            spec,
-            path,
-            latest,
-            ingested_at=ingested_at,
-            run_metadata=commit,
-            truncate_before=(
-                None
-                if hour_truncate is None
-                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
-            ),
-            key_range=key_range(spec, tally),
-            ledger=ledger,
-        )
+        bounds = key_range(spec, tally)
+        with merge_source(spark, materialized=not local):
+            outcome = merge_changes(
+                spark,
+                spec,
+                path,
+                latest,
+                ingested_at=ingested_at,
+                run_metadata=commit,
+                truncate_before=(
+                    None
+                    if hour_truncate is None
+                    else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
+                ),
+                key_range=bounds,
+                ledger=ledger,
+            )
         version = outcome.version if outcome.version is not None else last_version
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
         if toast.resolve_moves(spark, spec, path):
@@ -460,15 +466,33 @@ def _decode(
     Sensitive columns are masked before anything reads them (cdc_assets/masking.py)."""
     if isinstance(records, pa.RecordBatch):
         frame = decode_locally(spark, records, spec, hour_key=hour_key, added_columns=added)
+        frame = mask_changes(frame, spec, masking_key)
     else:
         frame = decode(records, spec, hour_key=hour_key, added_columns=added)
-    frame = mask_changes(frame, spec, masking_key).persist(StorageLevel.MEMORY_AND_DISK)
+        frame = mask_changes(frame, spec, masking_key).persist(_CACHED)
     rows = frame.where(F.col(TALLY).isNotNull()).select(SHAPE, TALLY).collect()
     return DecodedSlice(
         frame,
         Tally.combine(row[TALLY] for row in rows),
         SourceShape.combine(row[SHAPE] for row in rows),
     )
+
+
+_CACHED = StorageLevel.MEMORY_AND_DISK
+_MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
+
+
+@contextmanager
+def merge_source(spark: SparkSession, *, materialized: bool) -> Iterator[None]:
+    """Whether Delta's MERGE materializes its source first (its default, "auto"), or reads it
+    twice as it is ("none": only for a source that is deterministic and not cached, as a small
+    hour's local relation is; it saves the MERGE a write and a read of the source)."""
+    configured = spark.conf.get(_MATERIALIZE_SOURCE, "auto")
+    spark.conf.set(_MATERIALIZE_SOURCE, "auto" if materialized else "none")
+    try:
+        yield
+    finally:
+        spark.conf.set(_MATERIALIZE_SOURCE, configured)
 
 
 def key_range(spec: TableSpec, tally: Tally) -> dict[str, tuple]:

@@ -1,0 +1,511 @@
+"""The fleet case: N tables made from one template, their hour run through Dagster as users run it.
+
+`scripts/bench.sh --only fleet-50 fleet-200` (the `fleet` profile). For N tables (one topic each,
+3 partitions) it produces two hours: H0 (~200 changes per table) is materialized first, in one
+run straight through the mirrors' multi-asset (the tables then exist, as in steady state); then
+the Dagster daemon is started on a fresh SQLite instance with the project's code location, and
+the time is measured from its start (hour H1 has closed: its data is all in Kafka and its
+lateness passed) until every table's H1 is materialized with all its checks: the one offset
+sensor's tick, the queued run, its launch, the Spark session's start and every table-hour. In
+H1 most tables have ~200 changes, some none, a few a malformed record.
+
+Reported: the wall time, table-hours per minute, the sensor tick's duration, the peak RSS of
+the daemon's process tree (code server, run worker and Spark JVM included), each table-hour's
+time inside the run, the run's Spark jobs, and delta-rs doing the same N merges of H1 in one
+process (tables it built from H0 itself; it reads no deletion vectors, so it gets its own).
+Every mirror is then compared with the plain-Python replay of its topic (live rows of the keys
+the events changed, equal row for row).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psutil
+import yaml
+from kafka import KafkaAdminClient, KafkaProducer
+
+from benchmarks.workload import COLUMNS, PRIMARY_KEY, Workload
+from demo.produce import ensure_topics
+
+REPO = Path(__file__).resolve().parents[1]
+HOUR_FORMAT = "%Y-%m-%d-%H:%M"
+PARTITIONS = 3
+CHANGES = 200  # per table and hour
+STARTING_KEYS = 2_000  # the template's keys the changes pick from (Zipf ranks)
+
+
+def table_name(n: int) -> str:
+    return f"fleet_{n:03d}"
+
+
+def kind_of(n: int) -> str:
+    """What table n gets in the measured hour: most a small hour, some none, a few a bad one."""
+    if n % 20 == 7:
+        return "bad"
+    if n % 8 == 3:
+        return "empty"
+    return "small"
+
+
+def template(name: str, topic: str, start_hour: str) -> dict:
+    """The tables file entry every fleet table is made from (the benchmark's orders table)."""
+    return {
+        "name": name,
+        "topic": topic,
+        "primary_key": [PRIMARY_KEY],
+        "columns": COLUMNS,
+        "decimal_handling": "string",
+        "start_hour": start_hour,
+        "allowed_lateness_minutes": 0,
+        "expectations": [
+            {"column": "status", "expect": "in_set", "values": list(_statuses())},
+            {"column": "total", "expect": "between", "min": 0},
+            {"column": "customer_id", "expect": "not_null", "hard": True},
+        ],
+        "checks": {"error_rate": {"max_share": 0.05}},
+    }
+
+
+def _statuses() -> tuple[str, ...]:
+    from benchmarks.workload import STATUSES
+
+    return STATUSES
+
+
+def _log(message: str) -> None:
+    print(f"[{datetime.now(UTC):%H:%M:%S}] {message}", flush=True)
+
+
+def produce(bootstrap: str, n: int, prefix: str, hours: list[datetime]) -> dict[str, dict]:
+    """Both hours of every table; returns each table's reference (key → row, None: deleted)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    topics = [f"{prefix}.{table_name(i)}" for i in range(n)]
+    try:
+        ensure_topics(admin, topics, partitions=PARTITIONS, configs={"retention.ms": "-1"})
+    finally:
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    references = {}
+    try:
+        for i, topic in enumerate(topics):
+            workload = Workload(rows=STARTING_KEYS, layout="a", seed=i)
+            for h, hour in enumerate(hours):
+                start_ms = int(hour.timestamp() * 1000)
+                if h == 1 and kind_of(i) == "empty":
+                    continue
+                for event in workload.hour(CHANGES, start_ms):
+                    producer.send(
+                        topic,
+                        key=event.kafka_key(),
+                        value=event.kafka_value(),
+                        timestamp_ms=event.timestamp_ms,
+                    )
+                if h == 1 and kind_of(i) == "bad":
+                    producer.send(
+                        topic, key=b'{"id": 1}', value=b"{not json", timestamp_ms=start_ms
+                    )
+            references[table_name(i)] = {
+                str(k): v for k, v in workload.changed.items()
+            }  # keys as text: JSON
+        producer.flush()
+    finally:
+        producer.close()
+    return references
+
+
+def run_case(n: int, bootstrap: str, work: Path) -> dict:
+    case_dir = work / f"fleet-{n}"
+    shutil.rmtree(case_dir, ignore_errors=True)
+    case_dir.mkdir(parents=True)
+    now_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    hours = [now_hour - timedelta(hours=2), now_hour - timedelta(hours=1)]
+    keys = [h.strftime(HOUR_FORMAT) for h in hours]
+    prefix = f"fleet{n}.{int(time.time())}"
+    _log(f"fleet-{n}: producing {n} tables x 2 hours")
+    started = time.monotonic()
+    references = produce(bootstrap, n, prefix, hours)
+    produce_s = time.monotonic() - started
+    (case_dir / "reference.json").write_text(json.dumps(references))
+    tables = [template(table_name(i), f"{prefix}.{table_name(i)}", keys[0]) for i in range(n)]
+    tables_file = case_dir / "tables.yaml"
+    tables_file.write_text(yaml.safe_dump({"tables": tables}, sort_keys=False))
+    home = case_dir / "dagster"
+    home.mkdir()
+    shutil.copy(REPO / "deploy" / "local" / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "CDC_TABLES_FILE": str(tables_file),
+        "CDC_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "CDC_LAKE_ROOT": str(case_dir / "lake"),
+    }
+
+    _log(f"fleet-{n}: H0 {keys[0]}, every table in one run (creates the tables)")
+    warm = _timed_child(
+        ["benchmarks.fleet", "warm", keys[0]], env, case_dir / "warm.log", watch=None
+    )
+
+    tick = _sensor_tick(env)
+    _log(f"fleet-{n}: sensor tick {tick}")
+    _log(f"fleet-{n}: the daemon, from hour {keys[1]} closed to every table's hour and checks")
+    measured = _measure_daemon(env, case_dir, n, keys[1]) | {"sensor": tick}
+    _log(f"fleet-{n}: {measured['wall_s']} s; delta-rs, the same {n} merges in one process")
+    delta_rs = _timed_child(
+        ["benchmarks.fleet", "delta-rs", str(case_dir), bootstrap, json.dumps(keys)],
+        env,
+        case_dir / "delta-rs.log",
+        watch=None,
+    )
+    delta_rs |= json.loads((case_dir / "delta-rs.json").read_text())
+    _log(f"fleet-{n}: checking every mirror against the replay")
+    _timed_child(["benchmarks.fleet", "check", str(case_dir)], env, case_dir / "check.log", None)
+    verdict = json.loads((case_dir / "check.json").read_text())
+    return {
+        "case": f"fleet-{n}",
+        "tables": n,
+        "kinds": {k: sum(kind_of(i) == k for i in range(n)) for k in ("small", "empty", "bad")},
+        "changes_per_hour": CHANGES,
+        "produce_s": round(produce_s, 1),
+        "first_hour": warm,
+        "hour": measured,
+        "delta_rs": delta_rs,
+        "check": verdict,
+    }
+
+
+def _sensor_tick(env: dict) -> dict:
+    """One tick of the offset sensor over every table, evaluated here on the case's instance
+    (the daemon's first tick does the same): its duration and what it asks for."""
+    import dagster as dg
+
+    from cdc_assets.config import load_tables
+    from resources.kafka import KafkaResource
+    from sensors.offset_progress import build_offset_sensor
+
+    os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]
+    sensor = build_offset_sensor(specs=load_tables(env["CDC_TABLES_FILE"]))
+    kafka = KafkaResource(bootstrap_servers=env["CDC_KAFKA_BOOTSTRAP_SERVERS"])
+    with dg.DagsterInstance.get() as instance:
+        timings, cursor, requests = [], None, 0
+        for _ in range(2):  # the first tick (no cursor), then one that carries it
+            context = dg.build_sensor_context(
+                instance=instance, cursor=cursor, resources={"kafka": kafka}
+            )
+            started = time.monotonic()
+            result = sensor(context)
+            timings.append(round(time.monotonic() - started, 2))
+            cursor = result.cursor
+            requests = max(requests, len(result.run_requests))
+    return {"first_tick_s": timings[0], "next_tick_s": timings[1], "runs_requested": requests}
+
+
+def _timed_child(args: list[str], env: dict, log: Path, watch) -> dict:
+    from benchmarks.run import run_child
+
+    return run_child(args, log, env=env)
+
+
+def _measure_daemon(env: dict, case_dir: Path, n: int, hour_key: str) -> dict:
+    import dagster as dg
+
+    log = case_dir / "daemon.log"
+    started = time.monotonic()
+    with log.open("wb") as out:
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).with_name("dagster-daemon")), "run", "-w",
+             str(REPO / "workspace.yaml")],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        from benchmarks.run import _tree_rss
+
+        watched = psutil.Process(daemon.pid)
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], _tree_rss(watched))
+            except psutil.Error:
+                return
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]
+    os.environ["CDC_TABLES_FILE"] = env["CDC_TABLES_FILE"]
+    names = [table_name(i) for i in range(n)]
+    try:
+        with dg.DagsterInstance.get() as instance:
+            done_at = None
+            deadline = time.monotonic() + 3600
+            while time.monotonic() < deadline:
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"the daemon exited {daemon.returncode}; log {log}")
+                state = _progress(instance, names, hour_key)
+                if state == "done":
+                    done_at = time.monotonic()
+                    break
+                if state == "failed":
+                    raise RuntimeError(f"fleet-{n}: a run ended without every table; {log}")
+                time.sleep(2)
+            if done_at is None:
+                raise RuntimeError(f"fleet-{n}: not every table's hour within an hour; {log}")
+            result = {"wall_s": round(done_at - started, 1), **_run_figures(instance, n)}
+    finally:
+        stop.set()
+        sampler.join()
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+    result["peak_rss_bytes"] = peak[0]
+    result["table_hours_per_minute"] = round(n / result["wall_s"] * 60, 1)
+    return result
+
+
+def _progress(instance, names: list[str], hour_key: str) -> str:
+    """ "done" when every table's hour and its checks are recorded, "failed" when the runs
+    ended without them, else "running"."""
+    import dagster as dg
+
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"cdc/trigger": "offset_sensor"}))
+    finished = bool(runs) and all(r.is_finished for r in runs)
+    records = instance.get_asset_records([dg.AssetKey(name) for name in names])
+    materialized = {
+        r.asset_entry.asset_key.to_user_string()
+        for r in records
+        if r.asset_entry.last_materialization is not None
+        and r.asset_entry.last_materialization.dagster_event.partition == hour_key
+    }
+    if len(materialized) < len(names) or not finished:
+        return "failed" if finished and len(materialized) < len(names) else "running"
+    evaluations = 0
+    for run in runs:
+        evaluations += len(
+            instance.get_records_for_run(
+                run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION, limit=100_000
+            ).records
+        )
+    wanted = sum(len(run_check_names_for(name)) for name in names)
+    return "done" if evaluations >= wanted else "failed"
+
+
+def run_check_names_for(name: str) -> list[str]:
+    from cdc_assets.config import load_tables
+    from checks.table_checks import run_check_names
+
+    specs = _specs_cache.get("specs")
+    if specs is None:
+        specs = _specs_cache["specs"] = {
+            s.name: s for s in load_tables(os.environ["CDC_TABLES_FILE"])
+        }
+    return run_check_names(specs[name])
+
+
+_specs_cache: dict = {}
+
+
+_TABLE_TIME = re.compile(r"(fleet_\d+) \S+: consumed (\d+).*\(([\d.]+) s\)")
+
+
+def _run_figures(instance, n: int) -> dict:
+    """The sensor's tick, the runs, and each table-hour's time, from the instance."""
+    import dagster as dg
+
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"cdc/trigger": "offset_sensor"}))
+    per_table = []
+    run_walls = []
+    for run in runs:
+        stats = instance.get_run_stats(run.run_id)
+        if stats.start_time and stats.end_time:
+            run_walls.append(round(stats.end_time - stats.start_time, 1))
+        for entry in instance.all_logs(run.run_id):
+            match = _TABLE_TIME.search(entry.user_message or "")
+            if match:
+                per_table.append((match.group(1), int(match.group(2)), float(match.group(3))))
+    small = sorted(s for _, consumed, s in per_table if consumed > 0)
+    empty = sorted(s for _, consumed, s in per_table if consumed == 0)
+    return {
+        "runs": len(runs),
+        "run_wall_s": run_walls,
+        "table_hour_s": {
+            "median_small": small[len(small) // 2] if small else None,
+            "median_empty": empty[len(empty) // 2] if empty else None,
+            "max": max((s for *_, s in per_table), default=None),
+        },
+    }
+
+
+# ---------------------------------------------------------------- children
+
+
+def warm(hour_key: str) -> int:
+    """H0 of every table in one run of the mirrors' multi-asset, recorded in this instance (so
+    the sensor finds it materialized with its slice and asks only for H1)."""
+    import dagster as dg
+
+    from cdc_assets.config import load_tables
+    from cdc_assets.factory import build_mirror_assets
+    from resources.kafka import KafkaResource
+    from resources.lake import LakeResource
+    from resources.spark import SparkResource
+
+    specs = load_tables(os.environ["CDC_TABLES_FILE"])
+    with dg.DagsterInstance.get() as instance:
+        result = dg.materialize(
+            build_mirror_assets(specs),
+            partition_key=hour_key,
+            instance=instance,
+            resources={
+                "kafka": KafkaResource(bootstrap_servers=os.environ["CDC_KAFKA_BOOTSTRAP_SERVERS"]),
+                "spark": SparkResource(),
+                "lake": LakeResource(root=os.environ["CDC_LAKE_ROOT"]),
+            },
+            raise_on_error=False,
+        )
+    return 0 if result.success else 1
+
+
+def check(case_dir: str) -> int:
+    """Every mirror's live rows of the changed keys against the replay, row for row."""
+    from pyspark.sql import functions as F
+
+    from resources.spark import SparkResource
+
+    case = Path(case_dir)
+    references = json.loads((case / "reference.json").read_text())
+    spark = SparkResource(master="local[2]", driver_memory="2g").session
+    wrong = {}
+    for name, reference in references.items():
+        path = case / "lake" / name
+        rows = spark.read.format("delta").load(str(path))
+        live = {
+            str(r[PRIMARY_KEY]): r.asDict()
+            for r in rows.where(~F.col("_cdc_deleted")).select(*COLUMNS).collect()
+        }
+        expected = {k: v for k, v in reference.items() if v is not None}
+        differ = [k for k in expected if k not in live or not _same(live[k], expected[k])]
+        extra = [k for k in live if k not in expected]
+        if differ or extra:
+            wrong[name] = {"differ": len(differ), "extra": len(extra)}
+    (case / "check.json").write_text(
+        json.dumps(
+            {"tables": len(references), "equal": len(references) - len(wrong), "wrong": wrong}
+        )
+    )
+    return 0 if not wrong else 1
+
+
+def _same(stored: dict, expected: dict) -> bool:
+    from decimal import Decimal
+
+    for column, kind in COLUMNS.items():
+        got, want = stored[column], expected[column]
+        if kind == "timestamp":
+            got = None if got is None else int(got.timestamp() * 1_000_000)
+        elif kind == "date":
+            got = None if got is None else (got - datetime(1970, 1, 1).date()).days
+        elif kind.startswith("decimal"):
+            want = None if want is None else Decimal(want)
+        if got != want:
+            return False
+    return True
+
+
+def delta_rs(case_dir: str, bootstrap: str, keys_json: str) -> int:
+    """delta-rs doing the same: each table's H0 then, timed, H1, merged table by table."""
+    from benchmarks import variants
+
+    case = Path(case_dir)
+    references = json.loads((case / "reference.json").read_text())
+    tables = yaml.safe_load((case / "tables.yaml").read_text())["tables"]
+    keys = json.loads(keys_json)
+    from deltalake import write_deltalake
+
+    slices = _hour_slices(bootstrap, [t["topic"] for t in tables], keys)
+    root = case / "delta-rs"
+    timings = []
+    for h, key in enumerate(keys):
+        started = time.monotonic()
+        for table in tables:
+            path = root / table["name"]
+            if h == 0:
+                write_deltalake(str(path), _empty_arrow_table())
+            part = slices[table["topic"]][key]
+            if not any(end > start for start, end in part.values()):
+                continue
+            job = {
+                "bootstrap": bootstrap,
+                "topic": table["topic"],
+                "slice": part,
+                "table": str(path),
+            }
+            variants.T0 = time.monotonic()
+            variants.delta_rs(job, {})
+        timings.append(round(time.monotonic() - started, 2))
+    (case / "delta-rs.json").write_text(
+        json.dumps({"first_hour_s": timings[0], "hour_s": timings[1], "tables": len(references)})
+    )
+    return 0
+
+
+def _empty_arrow_table():
+    import pyarrow as pa
+
+    from benchmarks.workload import arrow_json_type, arrow_table_values
+
+    return pa.table(
+        {
+            c: arrow_table_values(pa.array([], arrow_json_type(kind)), kind)
+            for c, kind in COLUMNS.items()
+        }
+    )
+
+
+def _hour_slices(bootstrap: str, topics: list[str], keys: list[str]) -> dict:
+    """Per topic and hour: partition → [start, end) by the records' timestamps."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
+    try:
+        out = {}
+        bounds = [datetime.strptime(k, HOUR_FORMAT).replace(tzinfo=UTC) for k in keys]
+        bounds.append(bounds[-1] + timedelta(hours=1))
+        tps = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+        ends = consumer.end_offsets(tps)
+        at = []
+        for bound in bounds:
+            found = consumer.offsets_for_times({tp: int(bound.timestamp() * 1000) for tp in tps})
+            at.append({tp: ends[tp] if found[tp] is None else found[tp].offset for tp in tps})
+        for topic in topics:
+            out[topic] = {
+                key: {
+                    str(p): [at[h][TopicPartition(topic, p)], at[h + 1][TopicPartition(topic, p)]]
+                    for p in range(PARTITIONS)
+                }
+                for h, key in enumerate(keys)
+            }
+        return out
+    finally:
+        consumer.close()
+
+
+def main(argv: list[str]) -> int:
+    command, *args = argv
+    return {"warm": warm, "check": check, "delta-rs": delta_rs}[command](*args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
