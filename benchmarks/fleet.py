@@ -451,6 +451,7 @@ def delta_rs(case_dir: str, bootstrap: str, keys_json: str) -> int:
                 "topic": table["topic"],
                 "slice": part,
                 "table": str(path),
+                "skip_invalid": True,
             }
             variants.T0 = time.monotonic()
             variants.delta_rs(job, {})
