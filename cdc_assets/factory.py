@@ -295,14 +295,16 @@ def build_mirror_assets(specs: Sequence[TableSpec]) -> list[dg.AssetsDefinition]
     groups: dict[str, list[TableSpec]] = {}
     for spec in specs:
         groups.setdefault(spec.start_hour, []).append(spec)
-    named = len(groups) > 1
-    return [
-        _mirrors_asset(
-            group,
-            name=f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if named else "mirrors",
-        )
-        for start, group in groups.items()
-    ]
+    return [_mirrors_asset(group, name=_op_name(group, len(groups))) for group in groups.values()]
+
+
+def _op_name(group: list[TableSpec], groups: int) -> str:
+    """A table alone is named after itself; a set of tables `mirrors` (with their first hour
+    when there are several sets)."""
+    if len(group) == 1:
+        return group[0].name
+    start = group[0].start_hour
+    return f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if groups > 1 else "mirrors"
 
 
 def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:

@@ -30,7 +30,7 @@ import dagster as dg
 from pyspark import SparkContext
 
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import build_table_asset
+from cdc_assets.factory import build_mirror_assets
 from resources.kafka import KafkaResource
 from resources.spark import SparkResource
 from tests.conftest import S3Lakes
@@ -69,7 +69,7 @@ def main(workdir: Path) -> int:
     keys = job["keys"]
     spark = spark_resource(job["master"], workdir)
     result = dg.materialize(
-        [build_table_asset(spec=spec) for spec in specs],
+        build_mirror_assets(specs),
         tags={
             "dagster/asset_partition_range_start": keys[0],
             "dagster/asset_partition_range_end": keys[-1],

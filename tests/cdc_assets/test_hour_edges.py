@@ -108,10 +108,10 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
         [asset],
         partition_key=key,
         resources=resources,
-        run_config={"ops": {"mirrors": {"config": {"force_open_hour": True}}}},
+        run_config={"ops": {"accounts": {"config": {"force_open_hour": True}}}},
         raise_on_error=False,
     )
-    materialization = forced.asset_materializations_for_node("mirrors")[0]
+    materialization = forced.asset_materializations_for_node("accounts")[0]
     assert materialization.metadata["partial_hour"].value is True
     assert materialization.metadata["applied"].value == 1
     # The partial hour is written but fails its blocking check: nothing downstream builds on it.
@@ -434,7 +434,7 @@ def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continu
         assert result.success
         failed = [e.check_name for e in result.get_asset_check_evaluations() if not e.passed]
         assert failed == []
-    (recorded,) = empty.asset_materializations_for_node("mirrors")
+    (recorded,) = empty.asset_materializations_for_node("accounts")
     assert recorded.metadata["consumed"].value == 0
     # Its freshness is judged by the newest change the mirror holds, as recorded by the first
     # hour's commit: 09:00:02 seen from the empty hour's end, 11:00.

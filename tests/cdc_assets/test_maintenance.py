@@ -205,7 +205,8 @@ def test_maintenance_compacts_and_vacuums_without_changing_a_row(mirror, spark, 
         # change-data files, deletion vectors), and only those.
         assert _on_disk(path) == _referenced(spark, path)
         assert m["files_vacuumed"] == _vacuumed(on_disk[prefix], path, spark)
-        assert m["files_vacuumed"] > m["files_removed"]  # the MERGEs' old files went too
+        if prefix == "":  # the MERGEs' deletion vectors and change-data files went too
+            assert m["files_vacuumed"] > m["files_removed"]
         assert m["bytes_vacuumed"] > 0
 
     # What order_facts would meet: a mirror commit older than the retention has no change feed.

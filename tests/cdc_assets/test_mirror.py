@@ -26,7 +26,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_assets.factory import build_table_asset, hourly_partitions
+from cdc_assets.factory import build_mirror_assets, hourly_partitions
 from cdc_assets.hour_run import hour_start, run_hour
 from cdc_assets.slicing import compute_slice
 from checks.table_checks import run_check_specs
@@ -76,7 +76,7 @@ def in_order(demo, kafka, spark_resource, spark, s3):
 
 def _materialize(specs, keys, *, kafka, spark_resource, lake):
     """Runs each hour of `keys` as one in-process Dagster run over all tables, in that order."""
-    assets = [build_table_asset(spec=spec) for spec in specs]
+    assets = build_mirror_assets(specs)
     metadata = {}
     for key in keys:
         result = dg.materialize(

@@ -177,7 +177,7 @@ def test_sensitive_columns_are_masked_and_never_leak(
     # metadata included), the run's config and job snapshot, the Delta commits' userMetadata
     # and statistics, the mirror's data files and change data feed, and the Spark plan.
     needles = raw_values | {key}
-    materialization = result.asset_materializations_for_node("mirrors")[0]
+    materialization = result.asset_materializations_for_node("patients")[0]
     checks = result.get_asset_check_evaluations()
     # great-expectations judged the hashed column (not null, unique) and saw only hashes.
     passed = {c.check_name: c.passed for c in checks}

@@ -295,7 +295,7 @@ def test_pipeline_reads_over_sasl_scram_tls_and_the_password_leaks_nowhere(
         assert result.success
         events = [serialize_value(e) for e in instance.all_logs(result.run_id)]
         run = serialize_value(instance.get_run_by_id(result.run_id))
-    [materialization] = result.asset_materializations_for_node("mirrors")
+    [materialization] = result.asset_materializations_for_node("accounts")
     assert materialization.metadata["consumed"].value == len(changes)
     checks = result.get_asset_check_evaluations()
     assert checks and all(c.passed for c in checks), [(c.check_name, c.passed) for c in checks]
