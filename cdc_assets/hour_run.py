@@ -71,7 +71,16 @@ DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
 
 @dataclass(frozen=True)
 class HourCounts:
-    """I2: consumed = applied + superseded + stale + tombstones + errors (checks/invariants)."""
+    """I2: consumed = applied + superseded + stale + tombstones + errors (checks/invariants).
+
+    Each figure is counted where it happens, not derived from the others, so the identity can
+    fail: `consumed` by the reader (the records Kafka returned), `tombstones` and `errors` by the
+    decoder and the audit, `superseded` on the batch (applicable changes minus the distinct keys
+    among them), `applied` and `stale` from the MERGE's own operation metrics (the rows it wrote,
+    and its source rows it did not write). `distinct_keys` and `merge_source_rows` are the two
+    counts of the hour's keys (the batch's, Delta's): a newest-change-per-key step that lost or
+    doubled a key makes them differ, and the identity fail.
+    """
 
     consumed: int
     applied: int
@@ -79,6 +88,8 @@ class HourCounts:
     stale: int
     tombstones: int
     errors: int
+    distinct_keys: int = 0
+    merge_source_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,6 +365,9 @@ def _apply_hour(
             bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
             older_than_truncate = good.where(F.col(SEQUENCE) < bound).count()
             good = good.where(F.col(SEQUENCE) > bound)
+        # The hour's keys counted on the batch, apart from the newest-change-per-key step
+        # (the MERGE's source) that Delta counts: the accounting compares the two.
+        distinct_keys = good.select(*spec.primary_key).distinct().count()
         if errors:
             _fail_on_sequence_mismatch(spec, hour_key, reasons, tally)
             write_errors(
@@ -405,21 +419,24 @@ def _apply_hour(
         for frame in frames:
             frame.unpersist()
 
-    # Counted where each happened: the records by the decoder, the keys and what the MERGE
-    # applied by Delta (operationMetrics); truncate records count as applied, changes older
-    # than a truncate as stale.
+    # Counted where each happened (HourCounts): the records by the reader (Spark's read: by the
+    # decoder, which takes every row it gives), superseded on the batch, applied and stale by
+    # Delta (operationMetrics); truncate records count as applied, changes older than a truncate
+    # as stale.
     changes = tally.changes - (errors - tally.errors)  # the audit's held-back are errors
     return HourResult(
         table=spec.name,
         hour_key=hour_key,
         slice=hour_slice,
         counts=HourCounts(
-            consumed=tally.records,
+            consumed=records.num_rows if local else tally.records,
             applied=outcome.applied + tally.truncates,
-            superseded=changes - older_than_truncate - outcome.merged_keys,
+            superseded=changes - older_than_truncate - distinct_keys,
             stale=outcome.merged_keys - outcome.applied + older_than_truncate,
             tombstones=tally.tombstones,
             errors=errors,
+            distinct_keys=distinct_keys,
+            merge_source_rows=outcome.merged_keys,
         ),
         rows_inserted=outcome.rows_inserted,
         rows_updated=outcome.rows_updated,

@@ -6,7 +6,10 @@
 - accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
   change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
   marker, or an error; no category is negative; and no more messages were read than the slice
-  holds (fewer only where Kafka has offset gaps: transaction markers, compaction).
+  holds (fewer only where Kafka has offset gaps: transaction markers, compaction). The figures
+  are counted apart (`HourCounts`): consumed by the reader, superseded on the batch, applied
+  and stale from the MERGE's operation metrics; so a record the decoder dropped, or a key the
+  newest-change-per-key step lost or doubled, breaks the identity.
 - continuity (I1): the hour starts, partition by partition, where the previous hour's recorded
   run ended. A gap (offsets read by no hour) or an overlap (offsets read twice) names the
   offsets. A partition the previous hour did not know must start at its log start.
@@ -148,6 +151,11 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
     problems = []
     if accounted != counts.consumed:
         problems.append(f"consumed {counts.consumed} but accounted for {accounted}")
+    if counts.distinct_keys != counts.merge_source_rows:
+        problems.append(
+            f"the hour's changes have {counts.distinct_keys} distinct keys but the MERGE took "
+            f"{counts.merge_source_rows} source rows (one newest change per key expected)"
+        )
     if negative:
         problems.append(f"negative counts: {', '.join(negative)}")
     if gaps < 0:
@@ -160,6 +168,8 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
             "consumed": counts.consumed,
             "accounted": accounted,
             **parts,
+            "distinct_keys": counts.distinct_keys,
+            "merge_source_rows": counts.merge_source_rows,
             "slice_offsets": result.slice.size,
             "offset_gaps": gaps,
         },

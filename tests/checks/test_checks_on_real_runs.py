@@ -145,6 +145,66 @@ def test_hard_expectations_keep_failing_changes_out_of_the_mirror(
         assert "Secret" not in _metadata_text(check)
 
 
+def _accounting_hour(create_topic, send, name: str) -> TableSpec:
+    topic = create_topic(name, partitions=1)
+    t = _ms(HOUR)
+    for n, (op, row_id) in enumerate([("c", 1), ("u", 1), ("c", 2), ("d", 2), ("c", 3)]):
+        send(topic, _key(row_id), _change(op, row_id, 10 + n), t + n)
+    send(topic, _key(4), None, t + 9)  # a tombstone
+    send(topic, _key(5), b"{not json", t + 10)  # an error row
+    return _spec(topic)
+
+
+def test_the_accounting_adds_up_figures_counted_apart(hour, create_topic, send):
+    result, checks = hour(_accounting_hour(create_topic, send, "accounting"))
+    counts = result.counts
+    # 7 records: 5 changes of 3 keys (2 superseded), 3 applied, a tombstone and an error.
+    assert (counts.consumed, counts.applied, counts.superseded, counts.stale) == (7, 3, 2, 0)
+    assert (counts.tombstones, counts.errors) == (1, 1)
+    assert counts.distinct_keys == counts.merge_source_rows == 3
+    assert checks["accounting"].passed
+
+
+def test_the_accounting_fails_when_a_key_is_doubled_on_its_way_to_the_merge(
+    hour, create_topic, send, monkeypatch
+):
+    """The newest-change-per-key step made to keep one key twice: Delta's count of the MERGE's
+    source rows no longer matches the batch's distinct keys, and the identity breaks."""
+    from cdc_assets import hour_run
+
+    original = hour_run.latest_per_key
+
+    def doubled(changes, spec):
+        latest = original(changes, spec)
+        return latest.unionByName(latest.where("id = 3"))
+
+    monkeypatch.setattr(hour_run, "latest_per_key", doubled)
+    result, checks = hour(_accounting_hour(create_topic, send, "doubled"))
+    assert result.counts.merge_source_rows == result.counts.distinct_keys + 1
+    accounting = checks["accounting"]
+    assert not accounting.passed
+    assert "3 distinct keys but the MERGE took 4 source rows" in accounting.description
+    assert "consumed 7 but accounted for 8" in accounting.description
+
+
+def test_the_accounting_fails_when_the_decoder_loses_a_record(
+    hour, create_topic, send, monkeypatch
+):
+    """The decoder made to skip the slice's last record: the reader's count of what Kafka
+    returned is more than every category the decoder and the MERGE counted."""
+    from cdc_assets import hour_run
+
+    original = hour_run.decode_locally
+
+    def lossy(spark, records, spec, **kwargs):
+        return original(spark, records.slice(0, records.num_rows - 1), spec, **kwargs)
+
+    monkeypatch.setattr(hour_run, "decode_locally", lossy)
+    accounting = hour(_accounting_hour(create_topic, send, "lossy"))[1]["accounting"]
+    assert not accounting.passed
+    assert "consumed 7 but accounted for 6" in accounting.description
+
+
 def test_unique_is_judged_among_the_live_rows(hour, create_topic, send):
     topic = create_topic("unique", partitions=1)
     spec = _spec(topic, expectations=[{"column": "name", "expect": "unique", "severity": "WARN"}])
