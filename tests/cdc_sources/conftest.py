@@ -18,7 +18,9 @@ from tests.cdc_sources.source import MY_PASSWORD_ENV, PG_PASSWORD_ENV, Sources
 from tests.support import free_ports
 
 
-@pytest.fixture(scope="session")
+# The package's tests share them; they stop when its last test is done, so the rest of the
+# suite doesn't share the machine's two cores with an idle Connect worker and two databases.
+@pytest.fixture(scope="package")
 def sources(broker: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sources]:
     pg_port, my_port, connect_port = free_ports(3)
     base = tmp_path_factory.mktemp("cdc-sources")
