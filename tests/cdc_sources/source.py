@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,10 +100,26 @@ class Capture:
     def expect(self, table: str, records: int) -> None:
         self.expected[table] += records
 
-    def settle(self, timeout_s: float = 120) -> dict[str, int]:
-        """Waits until every topic holds its expected records; returns the counts."""
+    def settle(self, timeout_s: float = 120, quiet_s: float = 2.0) -> dict[str, int]:
+        """Waits until every topic holds its expected records and then stops growing for
+        `quiet_s`; returns the counts.
+
+        The count alone is not enough: after a restart the connector sends some records again
+        (at least once), so a topic can hold the expected number while the newest changes are
+        still on their way, and an hour read then misses them.
+        """
         expected = {self.topic(t): n for t, n in self.expected.items()}
-        return kafka_connect.wait_published(self.sources.worker, self.name, expected, timeout_s)
+        sizes = kafka_connect.wait_published(self.sources.worker, self.name, expected, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < quiet_s:
+            time.sleep(0.5)
+            now = kafka_connect.topic_sizes(self.sources.broker, list(expected))
+            if now != sizes:
+                sizes, quiet_since = now, time.monotonic()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"connector {self.name}'s topics kept growing: {sizes}")
+        return sizes
 
 
 def at_hour(sources: Sources, hour: datetime, minute: int = 10) -> None:

@@ -22,8 +22,7 @@ from decimal import Decimal
 import pytest
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import run_hour
-from checks.table_checks import evaluate_run_checks
+from cdc_assets.fleet import TableWork, run_tables
 from devtools import kafka_connect
 from resources.lake import LakeResource
 from tests.cdc_sources.source import Capture, at_hour, mirror_live_rows, source_rows
@@ -261,6 +260,10 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
             [3, 2, 1, 0],
             random.Random(3).choices(range(4), k=6) + [0, 1, 2, 3],
         ]
+        # Each capture's hours in each order: a mirror of its own (named after the order) in
+        # one lake, run as a fleet run runs its tables, two at a time (cdc_assets/fleet.py).
+        lake = LakeResource(root=str(tmp_path / "lake"))
+        work, mirrors = [], {}
         for capture in captures:
             spec = _spec(capture.topic(TABLE), schemas=capture.schemas)
             judged = spec
@@ -268,29 +271,33 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                 judged = spec.model_copy(update={"columns": with_note})
             expected = source_rows(connection, TABLE, judged)
             for n, order in enumerate(orders):
-                lake = LakeResource(root=str(tmp_path / f"{capture.name}-{n}"))
-                for step, hour in enumerate(order):
-                    result = run_hour(
-                        spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEYS[hour]
-                    )
-                    checks = evaluate_run_checks(
-                        spark=spark, spec=spec, path=lake.table_path(TABLE), result=result
-                    )
-                    failed = _unexpected_failures(checks, last=step == len(order) - 1)
-                    problems = (order, hour, failed, result.error_reasons)
-                    assert not failed and not result.counts.errors, problems
-                actual = mirror_live_rows(spark, lake.table_path(TABLE), judged)
-                different = {
-                    k: {c: (actual[k][c], expected[k][c]) for c in judged.columns
-                        if actual[k][c] != expected[k][c]}
-                    for k in set(actual) & set(expected) if actual[k] != expected[k]
-                }  # fmt: skip
-                assert set(actual) == set(expected) and not different, (
-                    capture.schemas,
-                    order,
-                    sorted(set(actual) ^ set(expected)),
-                    different,
-                )
+                name = f"{TABLE}_{capture.name}_{n}"
+                hours = [KEYS[h] for h in order]
+                work.append(TableWork(spec.model_copy(update={"name": name}), hours))
+                mirrors[name] = (capture, order, judged, expected)
+        runs = run_tables(spark=spark, kafka=kafka, lake=lake, work=work, parallelism=2)
+
+        for run in runs:
+            capture, order, judged, expected = mirrors[run.spec.name]
+            assert run.error is None, (capture.schemas, order, run.failed_hour, run.error)
+            for step, hour_run in enumerate(run.hours):
+                failed = _unexpected_failures(hour_run.checks, last=step == len(order) - 1)
+                result = hour_run.result
+                problems = (capture.schemas, order, result.hour_key, failed, result.error_reasons)
+                assert not failed and not result.counts.errors, problems
+            actual = mirror_live_rows(spark, lake.table_path(run.spec.name), judged)
+            different = {
+                k: {c: (actual[k][c], expected[k][c]) for c in judged.columns
+                    if actual[k][c] != expected[k][c]}
+                for k in set(actual) & set(expected) if actual[k] != expected[k]
+            }  # fmt: skip
+            assert set(actual) == set(expected) and not different, (
+                capture.schemas,
+                order,
+                [(h.result.hour_key, h.result.slice.as_dict()["partitions"]) for h in run.hours],
+                sorted(set(actual) ^ set(expected)),
+                different,
+            )
     finally:
         for capture in captures:
             capture.stop()
