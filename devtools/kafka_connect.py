@@ -11,11 +11,14 @@ Secrets: a connector's database password is never in its config; the config name
 environment variable (`${env:NAME}`, Kafka's EnvVarConfigProvider) that the worker was started
 with (`ConnectConfig.secrets`), so it is on no command line, in no file and in no REST answer.
 
-The clock: the pipeline slices Kafka by the records' timestamps, which the worker's producer
-stamps from its own wall clock (Debezium leaves the record timestamp unset). `ConnectConfig.
-clock_file` runs the worker under libfaketime (`.tools/faketime`, scripts/install.sh) with the
-offset that file holds, and `set_clock` moves it: the demo seeds past hours and the tests make
-changes in several closed hours this way, with the real database, connector and broker.
+The clock: the pipeline slices Kafka by the records' timestamps, which the worker stamps from
+its own wall clock (Debezium's processing time). With `fake_clock`,
+a producer interceptor of ours (`jvm/connect-clock`, built by scripts/install.sh) stamps each
+record with the wall clock plus the offset `ConnectConfig.clock_file` holds, and `set_clock`
+moves it: the demo seeds past hours and the tests make changes in several closed hours this
+way, with the real database, connector and broker. Only the stamps move; the worker's own clock
+stays real. (It ran under libfaketime before: the JVM's timed waits then returned at once and
+its idle threads spun over a core for as long as it ran.)
 
 Command line::
 
@@ -47,12 +50,11 @@ from devtools.processes import HOST, java, log_report, port_free, signal_group, 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 18083
 DEFAULT_DATA_DIR = REPO_ROOT / ".local" / "connect"
-FAKETIME_LIB = (
-    REPO_ROOT / ".tools" / "faketime" / "usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-)
+CLOCK_JARS = REPO_ROOT / ".jars" / "connect-clock"
+CLOCK_INTERCEPTOR = "io.cdclake.connect.ShiftedClockInterceptor"
 _KILL_WAIT_S = 10.0
-# libfaketime re-reads the clock file at most this often (seconds).
-_CLOCK_REFRESH_S = 1
+# The interceptor reads the clock file again at most this often (seconds).
+_CLOCK_REFRESH_S = 0.2
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 _ENV_PROVIDER = "org.apache.kafka.common.config.provider.EnvVarConfigProvider"
 
@@ -72,7 +74,7 @@ class ConnectConfig:
         heap: JVM maximum heap.
         secrets: Environment variables the worker gets (names → values), for `${env:NAME}` in
             connector configs; never written to a file or a command line.
-        fake_clock: Run on a settable clock (libfaketime, see `set_clock`).
+        fake_clock: Stamp records by a settable clock (see `set_clock`).
     """
 
     bootstrap: str
@@ -146,6 +148,8 @@ def worker_properties(config: ConnectConfig) -> dict[str, str]:
         "config.providers.env.class": _ENV_PROVIDER,
         # Connectors may set the partitions of the table topics they create.
         "topic.creation.enable": "true",
+        # The records' timestamps by the settable clock (see the module doc).
+        **({"producer.interceptor.classes": CLOCK_INTERCEPTOR} if config.fake_clock else {}),
     }
 
 
@@ -180,10 +184,13 @@ def start(config: ConnectConfig, timeout_s: float = 120) -> str:
                 f"Kafka Connect's jars ({config.jars_dir}) or Debezium's connectors "
                 f"({config.plugins_dir}) are missing: run scripts/install.sh in {REPO_ROOT}."
             )
-        if config.fake_clock and not FAKETIME_LIB.is_file():
-            raise ConnectError(
-                f"libfaketime is missing ({FAKETIME_LIB}): run scripts/install.sh in {REPO_ROOT}."
-            )
+        if config.fake_clock:
+            jars += sorted(CLOCK_JARS.glob("shifted-clock-*.jar"))[-1:]
+            if not jars[-1].name.startswith("shifted-clock-"):
+                raise ConnectError(
+                    f"The worker's shifted clock ({CLOCK_JARS}) is missing: run "
+                    f"scripts/install.sh in {REPO_ROOT}."
+                )
         config.data_dir.mkdir(parents=True, exist_ok=True)
         config.properties_file.write_text(
             "\n".join(f"{k}={v}" for k, v in worker_properties(config).items()) + "\n"
@@ -235,10 +242,10 @@ def status(config: ConnectConfig) -> dict[str, object]:
 
 
 def set_clock(config: ConnectConfig, moment: datetime) -> None:
-    """Moves the worker's wall clock to `moment` (it keeps ticking from there).
+    """Moves the clock that stamps the worker's records to `moment` (it keeps ticking from there).
 
-    Only while no record is in flight: the producer's timeouts follow the wall clock, so a jump
-    must not happen during a send (callers wait for the connector to catch up first).
+    Call it once the connector has published what it owes: a record is stamped when it is sent,
+    so a change still on its way when the clock moves gets the new time.
     """
     if not config.fake_clock:
         raise ConnectError("set_clock needs a worker started with fake_clock=True")
@@ -246,7 +253,7 @@ def set_clock(config: ConnectConfig, moment: datetime) -> None:
     tmp = config.clock_file.with_suffix(".tmp")
     tmp.write_text(f"{offset:+.3f}s\n")
     tmp.replace(config.clock_file)
-    time.sleep(_CLOCK_REFRESH_S + 0.2)  # libfaketime reads it again within a second
+    time.sleep(_CLOCK_REFRESH_S * 2)  # the interceptor has read it again
 
 
 # --- connectors ----------------------------------------------------------------------------------
@@ -404,14 +411,7 @@ def _environment(config: ConnectConfig) -> dict[str, str]:
     if os.environ.get("JAVA_HOME"):
         env["JAVA_HOME"] = os.environ["JAVA_HOME"]
     if config.fake_clock:
-        env |= {
-            "LD_PRELOAD": str(FAKETIME_LIB),
-            "FAKETIME_TIMESTAMP_FILE": str(config.clock_file),
-            "FAKETIME_CACHE_DURATION": str(_CLOCK_REFRESH_S),
-            # The JVM hangs when its monotonic clock jumps; only the wall clock is moved.
-            "DONT_FAKE_MONOTONIC": "1",
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        }
+        env["CDC_CONNECT_CLOCK_FILE"] = str(config.clock_file)
     return env
 
 
@@ -439,26 +439,10 @@ def _launch(config: ConnectConfig, jars: list[Path]) -> int:
             env=_environment(config),
             close_fds=True,
             start_new_session=True,
-            preexec_fn=_yield_the_cpu if config.fake_clock else None,
         )
     _CHILDREN[process.pid] = process
     config.pid_file.write_text(f"{process.pid}\n")
     return process.pid
-
-
-def _yield_the_cpu() -> None:
-    """Runs in the worker's process before java starts: the lowest CPU priority, for its
-    session's scheduling group too (start_new_session gives it one of its own).
-
-    Under libfaketime 0.9.10 (Debian 12) the JVM's timed waits return at once, so the worker's
-    idle threads spin: over a core busy at any clock offset. Setting
-    FAKETIME_FORCE_MONOTONIC_FIX=0 stops the spin, but then waits computed across a clock jump
-    last the jump's length and the connector publishes nothing, so the spin stays and yields to
-    everything else instead (Spark, the brokers, the databases run at normal priority).
-    """
-    os.nice(19)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text("19\n")
 
 
 def _running_pid(config: ConnectConfig) -> int | None:

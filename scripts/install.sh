@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the project needs into the checkout: the virtualenv with the pinned
 # Python packages, the JVM jars from Maven Central (pom.xml → .jars/: Spark's, the Kafka broker,
-# Kafka Connect and Debezium's connectors), and Debian's PostgreSQL, MariaDB and libfaketime
+# Kafka Connect and Debezium's connectors), and Debian's PostgreSQL and MariaDB
 # (→ .tools/). Idempotent: a second run only checks. Needs python3.11, java 17
 # and mvn on PATH, and Debian's apt-get and dpkg-deb.
 set -euo pipefail
@@ -96,6 +96,16 @@ debian_unpack mariadb "mariadb-server-core mariadb-client-core libcrypt1 libnuma
   "usr/sbin/mariadbd usr/bin/mariadb usr/bin/my_print_defaults" \
   "usr/share/mysql/mysql-test"
 
-# libfaketime: the Kafka Connect worker of the tests and the demo's seeding runs on a clock set
-# to the hour being produced, so Kafka stamps the records with it (devtools/kafka_connect.py).
-debian_unpack faketime "libfaketime" "usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+# The Kafka Connect worker's shifted clock (jvm/connect-clock): a producer interceptor that
+# stamps the records of the tests and the demo's seeding with the hour being produced
+# (devtools/kafka_connect.py). Compiled against the worker's kafka-clients from .jars/connect.
+clock_src=jvm/connect-clock/src/main/java
+clock_jar=.jars/connect-clock/shifted-clock-$(cat "$clock_src"/io/cdclake/connect/*.java | sha1sum | cut -c1-12).jar
+if [ ! -f "$clock_jar" ]; then
+  echo "install: the Connect worker's shifted clock ($clock_jar)"
+  rm -rf .jars/connect-clock && mkdir -p .jars/connect-clock/classes
+  javac --release 17 -nowarn -cp "$(ls .jars/connect/kafka-clients-*.jar)" \
+    -d .jars/connect-clock/classes "$clock_src"/io/cdclake/connect/*.java
+  jar cf "$clock_jar" -C .jars/connect-clock/classes .
+  rm -rf .jars/connect-clock/classes
+fi

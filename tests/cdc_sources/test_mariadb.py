@@ -25,8 +25,8 @@ from tests.cdc_sources.source import Capture, at_hour, mirror_live_rows, source_
 
 pytestmark = pytest.mark.integration
 
-# Before the Postgres test's hours (tests/cdc_sources/test_postgres.py): the session's one Connect
-# worker, whose herder stalls when its clock jumps back hours, sees its clock only move forward.
+# Before the Postgres test's hours (tests/cdc_sources/test_postgres.py), so the record clock the
+# two tests share only moves forward.
 FIRST = datetime(2026, 11, 2, 0, tzinfo=UTC)
 HOURS = [FIRST + timedelta(hours=n) for n in range(4)]
 KEYS = [h.strftime("%Y-%m-%d-%H:%M") for h in HOURS]
