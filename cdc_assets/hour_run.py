@@ -241,7 +241,8 @@ def run_hour(
     ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
     last_version, history = hour_history(spark, path, ledger)
     previous_end = recorded_offsets(history, previous_key(hour_key), "end")
-    hour_slice = _slice(kafka, spec, hour_key, now, known_starts(history, hour_key, previous_end))
+    starts = known_starts(history, hour_key, previous_end)
+    hour_slice = _slice(kafka, spec, hour_key, now, starts, previous_end is not None)
     _refuse_open_or_lost(spec, hour_key, hour_slice, force_open_hour)
 
     prior_newest = recorded_mirror_newest(spark, path, history, last_version)
@@ -527,6 +528,7 @@ def _slice(
     hour_key: str,
     now: datetime,
     starts: dict[int, int],
+    starts_cover_topic: bool,
 ) -> HourSlice:
     consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
     try:
@@ -538,6 +540,7 @@ def _slice(
             now=now,
             allowed_lateness=timedelta(minutes=spec.allowed_lateness_minutes),
             known_starts=starts,
+            starts_cover_topic=starts_cover_topic,
             uncommitted=uncommitted,
         )
     finally:

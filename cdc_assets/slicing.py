@@ -172,14 +172,19 @@ def compute_slice(
     now: datetime,
     allowed_lateness: timedelta,
     known_starts: Mapping[int, int] | None = None,
+    starts_cover_topic: bool = False,
     uncommitted: KafkaConsumer | None = None,
 ) -> HourSlice:
     """Looks up the hour's offsets per partition and decides whether it has closed.
 
     `known_starts` holds, per partition, where this hour begins by earlier runs (the end of
     the previous hour, or this hour's last start); the slice starts there, and data loss is
-    reported exactly from it. `uncommitted` (a read_uncommitted consumer) finds open
-    transactions, which keep the hour open.
+    reported exactly from it. `starts_cover_topic`: `known_starts` named every partition the
+    topic had when they were recorded (the previous hour's end), so a partition they lack was
+    added since and starts at offset 0: its records stamped before this hour, written after the
+    previous hour ran, are this hour's (the log's order), not offsets of no hour.
+    `uncommitted` (a read_uncommitted consumer) finds open transactions, which keep the hour
+    open.
     """
     hour_end = hour_start + timedelta(hours=1)
     tps = topic_partitions(consumer, table=table, topic=topic)
@@ -197,6 +202,8 @@ def compute_slice(
         end = at_end[tp].offset if at_end[tp] is not None else stable_end
         moved_past = at_end[tp] is not None
         start = known_starts.get(tp.partition)
+        if start is None and starts_cover_topic:
+            start = 0  # added since the previous hour ran; below the log start it is loss
         if start is None:
             start = at_start[tp].offset if at_start[tp] is not None else stable_end
         # Never read below what retention left; the loss is reported below.

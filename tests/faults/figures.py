@@ -79,6 +79,8 @@ SCENARIOS = (
     "blocking_check_holds_downstream",
     "sasl_scram_tls",
     "sensitive_columns_masked",
+    "partitions_added_between_hours",
+    "producer_clock_ahead_then_back",
 )
 
 
