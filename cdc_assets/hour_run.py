@@ -61,7 +61,7 @@ from checks.expectations import (
     validate_nothing,
 )
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource
+from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey
 
 HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
@@ -250,7 +250,7 @@ def run_hour(
         return _empty_hour(
             spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
         )
-    with sized_shuffles(spark, hour_slice.size):
+    with sized_shuffles(spark, hour_slice.size), _storage_failures_named(spec, hour_key, path):
         return _apply_hour(
             spark=spark,
             kafka=kafka,
@@ -266,6 +266,25 @@ def run_hour(
             masking_key=masking_key,
             local_read_max_records=local_read_max_records,
         )
+
+
+@contextmanager
+def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterator[None]:
+    """A write the lake's storage refused (disk full, S3 throttling) fails the run with its
+    cause and fix instead of a Java stack; every other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        failure = storage_failure(error)
+        if failure is None:
+            raise
+        cause, fix = failure
+        raise LakeWriteError(
+            f"table '{spec.name}', hour {hour_key}: {cause} while writing {path}. A Delta "
+            "commit is all or nothing, so the table holds all of the hour or none of it (files "
+            f"of an unfinished write are never read; VACUUM removes them). {fix}, then run the "
+            "hour again: it applies what is missing."
+        ) from error
 
 
 # An hour's shuffle width: one partition per this many records read (at least 1, at most the

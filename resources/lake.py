@@ -242,3 +242,40 @@ def _check_bucket(s3: S3Resource, location: S3Location, root: str) -> None:
             f"{where}: S3 does not answer. Check the endpoint (AWS_ENDPOINT_URL_S3 or the S3 "
             "resource's endpoint_url); the run's retries try again."
         ) from None
+
+
+class LakeWriteError(RuntimeError):
+    """The lake's storage refused a write (disk full, S3 throttling past its retries); the
+    message names the table, the hour, the cause and the fix. Retried by the run's policy: the
+    cause may pass."""
+
+
+# What the storage says when it can't take a write, as it appears in the Java or boto3
+# exception's text, and what the operator does about it.
+_STORAGE_FAILURES = (
+    (
+        ("No space left on device", "Disk quota exceeded"),
+        "the lake's disk is full",
+        "Free space on the lake's volume (VACUUM old tables, grow the volume)",
+    ),
+    (
+        ("SlowDown", "Please reduce your request rate", "503 Service Unavailable"),
+        "S3 kept answering 503 SlowDown (throttling) after S3A's and boto3's retries",
+        "Lower the request rate on the bucket's prefix (fewer tables in parallel: "
+        "SparkResource.parallel_tables), or raise S3A's fs.s3a.retry.throttle.limit",
+    ),
+)
+
+
+def storage_failure(error: BaseException) -> tuple[str, str] | None:
+    """(cause, fix) when `error` (or what it wraps) is the lake's storage refusing a write."""
+    texts = []
+    while error is not None and len(texts) < 10:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    text = "\n".join(texts)
+    for markers, cause, fix in _STORAGE_FAILURES:
+        for marker in markers:
+            if marker in text:
+                return f"{cause} ('{marker}')", fix
+    return None

@@ -81,6 +81,7 @@ SCENARIOS = (
     "sensitive_columns_masked",
     "partitions_added_between_hours",
     "producer_clock_ahead_then_back",
+    "lake_disk_full_during_merge",
 )
 
 
