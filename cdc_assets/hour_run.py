@@ -49,7 +49,7 @@ from cdc_assets.merge import (
     record_run,
     write_errors,
 )
-from cdc_assets.read import read_slice, read_slice_locally
+from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
 from cdc_assets.tally import Tally, key_value
 from checks.expectations import (
@@ -90,6 +90,9 @@ class HourCounts:
     errors: int
     distinct_keys: int = 0
     merge_source_rows: int = 0
+    # Counted by Kafka's own consumers when the reader got fewer records than the slice has
+    # offsets (transaction markers, aborted records, compaction); None when it got them all.
+    census: OffsetCensus | None = None
 
 
 @dataclass(frozen=True)
@@ -238,40 +241,41 @@ def run_hour(
     now = now or datetime.now(UTC)
     lake.connect(spark)
     path = lake.table_path(spec.name)
-    ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
-    last_version, history = hour_history(spark, path, ledger)
-    previous_end = recorded_offsets(history, previous_key(hour_key), "end")
-    starts = known_starts(history, hour_key, previous_end)
-    hour_slice = _slice(kafka, spec, hour_key, now, starts, previous_end is not None)
-    _refuse_open_or_lost(spec, hour_key, hour_slice, force_open_hour)
+    with _storage_failures_named(spec, hour_key, path):
+        ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
+        last_version, history = hour_history(spark, path, ledger)
+        previous_end = recorded_offsets(history, previous_key(hour_key), "end")
+        starts = known_starts(history, hour_key, previous_end)
+        hour_slice = _slice(kafka, spec, hour_key, now, starts, previous_end is not None)
+        _refuse_open_or_lost(spec, hour_key, hour_slice, force_open_hour)
 
-    prior_newest = recorded_mirror_newest(spark, path, history, last_version)
-    if hour_slice.size == 0 and last_version is not None:
-        return _empty_hour(
-            spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
-        )
-    with sized_shuffles(spark, hour_slice.size), _storage_failures_named(spec, hour_key, path):
-        return _apply_hour(
-            spark=spark,
-            kafka=kafka,
-            lake=lake,
-            spec=spec,
-            hour_key=hour_key,
-            hour_slice=hour_slice,
-            ledger=ledger,
-            history=history,
-            last_version=last_version,
-            previous_end=previous_end,
-            prior_newest=prior_newest,
-            masking_key=masking_key,
-            local_read_max_records=local_read_max_records,
-        )
+        prior_newest = recorded_mirror_newest(spark, path, history, last_version)
+        if hour_slice.size == 0 and last_version is not None:
+            return _empty_hour(
+                spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
+            )
+        with sized_shuffles(spark, hour_slice.size):
+            return _apply_hour(
+                spark=spark,
+                kafka=kafka,
+                lake=lake,
+                spec=spec,
+                hour_key=hour_key,
+                hour_slice=hour_slice,
+                ledger=ledger,
+                history=history,
+                last_version=last_version,
+                previous_end=previous_end,
+                prior_newest=prior_newest,
+                masking_key=masking_key,
+                local_read_max_records=local_read_max_records,
+            )
 
 
 @contextmanager
 def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterator[None]:
-    """A write the lake's storage refused (disk full, S3 throttling) fails the run with its
-    cause and fix instead of a Java stack; every other error passes unchanged."""
+    """A read or write the lake's storage refused (disk full, S3 throttling) fails the run with
+    its cause and fix instead of a Java stack; every other error passes unchanged."""
     try:
         yield
     except Exception as error:
@@ -280,7 +284,7 @@ def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterat
             raise
         cause, fix = failure
         raise LakeWriteError(
-            f"table '{spec.name}', hour {hour_key}: {cause} while writing {path}. A Delta "
+            f"table '{spec.name}', hour {hour_key}: {cause} on {path}. A Delta "
             "commit is all or nothing, so the table holds all of the hour or none of it (files "
             f"of an unfinished write are never read; VACUUM removes them). {fix}, then run the "
             "hour again: it applies what is missing."
@@ -444,12 +448,14 @@ def _apply_hour(
     # Delta (operationMetrics); truncate records count as applied, changes older than a truncate
     # as stale.
     changes = tally.changes - (errors - tally.errors)  # the audit's held-back are errors
+    consumed = records.num_rows if local else tally.records
+    census = offset_census(kafka, hour_slice) if consumed < hour_slice.size else None
     return HourResult(
         table=spec.name,
         hour_key=hour_key,
         slice=hour_slice,
         counts=HourCounts(
-            consumed=records.num_rows if local else tally.records,
+            consumed=consumed,
             applied=outcome.applied + tally.truncates,
             superseded=changes - older_than_truncate - distinct_keys,
             stale=outcome.merged_keys - outcome.applied + older_than_truncate,
@@ -457,6 +463,7 @@ def _apply_hour(
             errors=errors,
             distinct_keys=distinct_keys,
             merge_source_rows=outcome.merged_keys,
+            census=census,
         ),
         rows_inserted=outcome.rows_inserted,
         rows_updated=outcome.rows_updated,
@@ -539,6 +546,19 @@ def key_range(spec: TableSpec, tally: Tally) -> dict[str, tuple]:
         for k in spec.primary_key
         if k in tally.low and k in tally.high
     }
+
+
+def offset_census(kafka: KafkaResource, hour_slice: HourSlice) -> OffsetCensus:
+    """The slice's records as Kafka's consumers count them, committed and not (`OffsetCensus`):
+    what explains offsets the reader got no record for."""
+    counts = {}
+    for committed in (True, False):
+        consumer = kafka.consumer(committed=committed)
+        try:
+            counts[committed] = count_slice_records(consumer, hour_slice)
+        finally:
+            consumer.close()
+    return OffsetCensus(committed=counts[True], uncommitted=counts[False])
 
 
 def _slice(

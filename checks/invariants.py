@@ -6,7 +6,9 @@
 - accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
   change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
   marker, or an error; no category is negative; and no more messages were read than the slice
-  holds (fewer only where Kafka has offset gaps: transaction markers, compaction). The figures
+  holds. Fewer only where Kafka's own consumers, counting the slice apart from the reader, find
+  offsets without a committed record (transaction markers, aborted records, compaction): a
+  reader that got fewer records than Kafka holds committed fails. The figures
   are counted apart (`HourCounts`): consumed by the reader, superseded on the batch, applied
   and stale from the MERGE's operation metrics; so a record the decoder dropped, or a key the
   newest-change-per-key step lost or doubled, breaks the identity.
@@ -160,6 +162,24 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
         problems.append(f"negative counts: {', '.join(negative)}")
     if gaps < 0:
         problems.append(f"read {counts.consumed} messages from a slice of {result.slice.size}")
+    census = counts.census
+    gap_figures: dict = {}
+    if gaps > 0 and census is None:
+        problems.append(
+            f"{gaps} offsets of the slice gave the reader no record, and Kafka's own count of "
+            "the slice is missing: nothing says they are transaction markers or aborted records"
+        )
+    elif gaps > 0:
+        if census.committed != counts.consumed:
+            problems.append(
+                f"Kafka holds {census.committed} committed records in the slice's offsets but "
+                f"the run read {counts.consumed}: records were lost between Kafka and the "
+                "decoder (or read twice); run the hour again"
+            )
+        gap_figures = {
+            "transaction_markers": result.slice.size - census.uncommitted,
+            "aborted_records": census.uncommitted - census.committed,
+        }
     return _verdict(
         ACCOUNTING,
         policy,
@@ -172,6 +192,7 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
             "merge_source_rows": counts.merge_source_rows,
             "slice_offsets": result.slice.size,
             "offset_gaps": gaps,
+            **gap_figures,
         },
     )
 

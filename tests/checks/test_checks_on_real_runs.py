@@ -205,6 +205,25 @@ def test_the_accounting_fails_when_the_decoder_loses_a_record(
     assert "consumed 7 but accounted for 6" in accounting.description
 
 
+def test_the_accounting_fails_when_the_reader_loses_a_record(hour, create_topic, send, monkeypatch):
+    """The reader made to drop the slice's last record: every category adds up to what it
+    read, but Kafka's own consumers count 7 committed records in the slice's offsets."""
+    from cdc_assets import hour_run
+
+    original = hour_run.read_slice_locally
+
+    def lossy(consumer, hour_slice, **kwargs):
+        records = original(consumer, hour_slice, **kwargs)
+        return records.slice(0, records.num_rows - 1)
+
+    monkeypatch.setattr(hour_run, "read_slice_locally", lossy)
+    accounting = hour(_accounting_hour(create_topic, send, "unread"))[1]["accounting"]
+    assert not accounting.passed
+    assert "Kafka holds 7 committed records" in accounting.description
+    assert "the run read 6" in accounting.description
+    assert accounting.metadata["aborted_records"].value == 0
+
+
 def test_unique_is_judged_among_the_live_rows(hour, create_topic, send):
     topic = create_topic("unique", partitions=1)
     spec = _spec(topic, expectations=[{"column": "name", "expect": "unique", "severity": "WARN"}])

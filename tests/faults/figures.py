@@ -82,6 +82,7 @@ SCENARIOS = (
     "partitions_added_between_hours",
     "producer_clock_ahead_then_back",
     "lake_disk_full_during_merge",
+    "s3_503_slowdown",
 )
 
 

@@ -14,12 +14,16 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
+from dagster_aws.s3 import S3Resource
 
 from cdc_assets.hour_run import run_hour
 from resources.lake import LakeResource, LakeWriteError
+from tests.conftest import S3_KEY_ENV, S3_SECRET_ENV
 from tests.faults import table
 from tests.faults.figures import compare, record
+from tests.faults.throttle import ThrottlingProxy
 
 pytestmark = pytest.mark.integration
 
@@ -98,4 +102,81 @@ def test_the_lake_disk_full_during_a_merge(broker, kafka, spark, create_topic, s
     ref = table.reference(broker, spec)
     comparison = compare(spark, str(table_dir), spec, ref.expected, ref.seen_keys)
     record("lake_disk_full_during_merge", comparison, faults=1)
+    assert comparison.clean, comparison.details
+
+
+def test_s3_answering_503_slowdown(broker, kafka, spark, create_topic, s3):
+    """S3 throttles the lake: first one request in seven answers 503 SlowDown (retried by S3A
+    and boto3, the hours complete), then every write does (the run fails naming S3 throttling,
+    the table stays at its version), then S3 recovers and the rerun completes the hour."""
+    bucket = "throttled"
+    upstream = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        region_name=s3.region,
+        aws_access_key_id=os.environ[S3_KEY_ENV],
+        aws_secret_access_key=os.environ[S3_SECRET_ENV],
+    )
+    upstream.create_bucket(Bucket=bucket)
+    # Fewer, quicker retries than S3A's defaults (20 throttle retries, SDK attempts on top),
+    # for this bucket only, so the lasting throttle fails within the test's time.
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in {
+        "retry.throttle.limit": "4",
+        "retry.throttle.interval": "50ms",
+        "attempts.maximum": "2",
+    }.items():
+        hadoop.set(f"fs.s3a.bucket.{bucket}.{key}", value)
+
+    spec = table.spec(create_topic("faults-s3-503", partitions=2))
+    changes = [table.change("c", n, 100 + n, second=n) for n in range(50)]
+    changes += [table.change("u", n, 1_000 + n, hour=1, second=n) for n in range(0, 50, 2)]
+    changes += [table.change("u", n, 2_000 + n, hour=2, second=n) for n in range(1, 50, 2)]
+    changes += [table.change("d", 7, 3_000, hour=2, second=99)]
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, 2, after_hour=2)
+
+    every_seventh = lambda method, n: n % 7 == 0  # noqa: E731
+    with ThrottlingProxy(s3.endpoint, every_seventh) as proxy:
+        lake = LakeResource(
+            root=f"s3://{bucket}/mirrors",
+            s3=S3Resource(
+                endpoint_url=proxy.endpoint,
+                region_name=s3.region,
+                aws_access_key_id=os.environ[S3_KEY_ENV],
+                aws_secret_access_key=os.environ[S3_SECRET_ENV],
+            ),
+        )
+
+        def run(hour: int):
+            return run_hour(
+                spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=table.hour_key(hour)
+            )
+
+        run(0)
+        run(1)
+        transient = proxy.slowdowns
+        assert transient > 0
+
+        def commits() -> list[str]:
+            listed = upstream.list_objects_v2(Bucket=bucket, Prefix="mirrors/accounts/_delta_log/")
+            return sorted(
+                o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith(".json")
+            )
+
+        before = commits()
+        proxy.throttled = lambda method, n: method in ("PUT", "POST")
+        with pytest.raises(LakeWriteError) as failed:
+            run(2)
+        message = str(failed.value)
+        assert "503 SlowDown" in message and f"'{spec.name}'" in message, message
+        assert commits() == before, "a commit landed while S3 refused every write"
+        lasting = proxy.slowdowns - transient
+
+        proxy.throttled = lambda method, n: False
+        rerun = run(2)
+        assert rerun.merge_version is not None and rerun.counts.applied > 0
+        ref = table.reference(broker, spec)
+        comparison = compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+    record("s3_503_slowdown", comparison, faults=transient + lasting)
     assert comparison.clean, comparison.details
