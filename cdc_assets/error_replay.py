@@ -88,7 +88,11 @@ def replay_errors(
     if dry_run or not selected:
         return ReplayOutcome(spec.name, spec.topic, selected, 0, sealed)
     records = rows.toLocalIterator()
-    pairs = unseal_rows(records, key) if sealed else ((r["key"], r["value"]) for r in records)
+    pairs = (
+        unseal_rows(records, key)
+        if sealed
+        else ((_raw(r["key"]), _raw(r["value"])) for r in records)
+    )
     producer = kafka.producer()
     try:
         sent = [producer.send(spec.topic, key=k, value=v) for k, v in pairs if v is not None]
@@ -98,6 +102,10 @@ def replay_errors(
     finally:
         producer.close()
     return ReplayOutcome(spec.name, spec.topic, selected, len(sent), sealed)
+
+
+def _raw(data: bytearray | None) -> bytes | None:
+    return None if data is None else bytes(data)
 
 
 def _masking_key(spec: TableSpec) -> HmacKey | None:

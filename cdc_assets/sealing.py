@@ -94,7 +94,9 @@ def _seal_udf(key: HmacKey, field: str, *, opening: bool):
     aead = sealing_key(key)  # only the closure holds it; Spark ships it pickled, never as text
     apply = unseal if opening else seal
 
-    def run(data: pd.Series, topic: pd.Series, partition: pd.Series, offset: pd.Series):
+    def run(
+        data: pd.Series, topic: pd.Series, partition: pd.Series, offset: pd.Series
+    ) -> pd.Series:
         return pd.Series(
             [
                 apply(aead, d, topic=t, partition=p, offset=o, field=field)
@@ -103,6 +105,8 @@ def _seal_udf(key: HmacKey, field: str, *, opening: bool):
             dtype=object,
         )
 
+    # The name Spark's plans and UI show for the step.
+    run.__name__ = run.__qualname__ = "aes_siv_open" if opening else "aes_siv_seal"
     return F.pandas_udf(run, T.BinaryType())
 
 
