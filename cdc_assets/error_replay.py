@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
@@ -64,13 +65,9 @@ def replay_errors(
     to `spec.topic`, unsealed with `key`; see the module docstring."""
     lake.connect(spark)
     path = lake.table_path(spec.error_table_name)
-    try:
-        errors = spark.read.format("delta").load(path)
-    except Exception as exc:  # AnalysisException: no Delta table there
-        raise ReplayError(
-            f"table '{spec.name}': no error table at {path} ({type(exc).__name__}); nothing to "
-            "replay"
-        ) from None
+    if not DeltaTable.isDeltaTable(spark, path):
+        raise ReplayError(f"table '{spec.name}': no error table at {path}; nothing to replay")
+    errors = spark.read.format("delta").load(path)
     sealed = is_sealed(errors.schema)
     if sealed and key is None:
         raise ReplayError(
