@@ -112,7 +112,8 @@ def asset_description(spec: TableSpec) -> str:
         masked = ", ".join(f"{column} ({mode})" for column, mode in spec.sensitive.items())
         description += (
             f" Sensitive columns are masked before anything stores them: {masked}; hashed "
-            "columns hold HMAC-SHA256 hex strings."
+            "columns hold HMAC-SHA256 hex strings. The error table's raw bytes are sealed "
+            "(AES-256-SIV), and undeclared source columns are not stored until declared."
         )
     return description
 
