@@ -280,7 +280,8 @@ class TableSpec(BaseModel):
             "What a source column that is not declared under columns does. add: the mirror "
             "gains it (typed from its first values; later values that don't convert are "
             "errors); ignore: it is left out. Either way the schema_drift check names it. "
-            "Mark a sensitive column before it appears, or use ignore."
+            "A table with sensitive columns adds none: a column waits until it is declared "
+            "(marked sensitive or not), named in schema_drift's withheld_columns."
         ),
     )
     max_record_bytes: int = Field(
@@ -315,7 +316,8 @@ class TableSpec(BaseModel):
             "string form, keyed by the masking resource's key (env CDC_MASKING_KEY), so the "
             "column becomes a string that still joins, groups and counts; drop: not stored. A "
             "primary-key column can't be masked; a dropped column takes no expectations and a "
-            "hashed one only not_null and unique. The error table keeps raw record bytes."
+            "hashed one only not_null and unique. The error table's raw record bytes are "
+            "sealed with a key derived from the same one (cdc_assets/sealing.py)."
         ),
     )
 

@@ -45,7 +45,7 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
             "spark": SparkResource(),
             # A folder, or s3://bucket/prefix reached with the AWS settings of the environment.
             "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT"), s3=s3_resource_from_env()),
-            # Required only by tables that hash a column (`sensitive`); others need no key.
+            # Required only by tables with `sensitive` columns (hashes, the error table's seal).
             "masking": MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)),
         },
     )

@@ -16,7 +16,8 @@ from pydantic import Field
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
-from cdc_assets.masking import MaskedMirrorError, hashed_columns
+from cdc_assets.masking import MaskedMirrorError
+from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
 from checks.expectations import preload as preload_expectations
 from checks.table_checks import (
@@ -46,6 +47,7 @@ NOT_RETRIED: tuple[type[Exception], ...] = (
     SequenceConfigError,
     TruncateError,
     MaskedMirrorError,
+    ErrorTableSealingError,
     LakeConfigError,
 )
 
@@ -110,7 +112,8 @@ def asset_description(spec: TableSpec) -> str:
         masked = ", ".join(f"{column} ({mode})" for column, mode in spec.sensitive.items())
         description += (
             f" Sensitive columns are masked before anything stores them: {masked}; hashed "
-            "columns hold HMAC-SHA256 hex strings."
+            "columns hold HMAC-SHA256 hex strings. The error table's raw bytes are sealed "
+            "(AES-256-SIV), and undeclared source columns are not stored until declared."
         )
     return description
 
@@ -337,7 +340,8 @@ def _mirrors_asset(specs: list[TableSpec], *, name: str) -> dg.AssetsDefinition:
     partitions_def = hourly_partitions(specs[0])
     checks_of = {spec.name: run_check_specs(spec, partitions_def=partitions_def) for spec in specs}
     by_key = {dg.AssetKey(spec.name): spec for spec in specs}
-    hashing = any(hashed_columns(spec) for spec in specs)
+    # Every table with sensitive columns needs the key: hashes, and its error table's seal.
+    masking = any(spec.sensitive for spec in specs)
 
     def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
         spark: SparkResource = context.resources.spark
@@ -402,7 +406,7 @@ def _mirrors_asset(specs: list[TableSpec], *, name: str) -> dg.AssetsDefinition:
             retry_policy=dg.RetryPolicy(
                 max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
             ),
-            required_resource_keys={"kafka", "spark", "lake"} | ({"masking"} if hashing else set()),
+            required_resource_keys={"kafka", "spark", "lake"} | ({"masking"} if masking else set()),
         )(_mirrors)
 
 
@@ -456,13 +460,9 @@ def _masking_key(context: dg.AssetExecutionContext, spec: TableSpec) -> HmacKey 
     if not spec.sensitive:
         return None
     try:
-        hashed = hashed_columns(spec)
-        key = (
-            context.resources.masking.hmac_key(table=spec.name, columns=hashed) if hashed else None
-        )
+        return context.resources.masking.hmac_key(table=spec.name, columns=list(spec.sensitive))
     except MaskingKeyError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
-    return key
 
 
 def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:

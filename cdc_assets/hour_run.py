@@ -122,6 +122,8 @@ class HourResult:
     # The newest source timestamp among the changes the mirror has taken, this run's included
     # (recorded in each run's commit as a running maximum, so no run scans the table for it).
     mirror_newest: datetime | None = None
+    # Undeclared columns `new_columns: add` did not add: the table has sensitive columns.
+    withheld_columns: tuple[str, ...] = ()
 
     @property
     def lag_seconds(self) -> float | None:
@@ -345,7 +347,9 @@ def _apply_hour(
     added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
     batch = _decode(spark, records, spec, hour_key, added, masking_key)
     new = added_column_types(batch.shape, [*spec.columns, *added])
-    if spec.new_columns == "add" and new:
+    # On a table with sensitive columns an undeclared one waits for a declaration (masking.py).
+    withheld = tuple(sorted(new)) if spec.sensitive else ()
+    if spec.new_columns == "add" and new and not withheld:
         batch.frame.unpersist()
         added |= new
         batch = _decode(spark, records, spec, hour_key, added, masking_key)
@@ -396,7 +400,7 @@ def _apply_hour(
             _fail_on_sequence_mismatch(spec, hour_key, reasons, tally)
             write_errors(
                 spark,
-                spec.error_table_name,
+                spec,
                 lake.table_path(spec.error_table_name),
                 decoded.where(F.col(ERROR).isNotNull()),
                 hour_key=hour_key,
@@ -479,6 +483,7 @@ def _apply_hour(
         audit=audit,
         expectations=tuple(expectations),
         mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
+        withheld_columns=withheld if spec.new_columns == "add" else (),
     )
 
 

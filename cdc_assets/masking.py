@@ -17,10 +17,14 @@ The rules, stated once:
 - `drop` removes the column before anything stores it.
 - The HMAC runs in a pandas UDF whose closure holds the key: the key is never a literal in a
   Spark plan (plans are logged and shown in the Spark UI), never in metadata or logs.
-- The error table keeps a bad record's raw key and value bytes, sensitive values included: bad
-  input loses nothing (I7), so that table must be access-controlled like the topic itself. The
-  run's in-memory frame keeps those bytes (and the row as a variant, read only for its JSON
-  kinds) for that table and the schema-drift check; the mirror never selects them.
+- A bad record's raw key and value bytes, kept for the error table (I7), are sealed in the same
+  step with a key derived from the same secret (`cdc_assets.sealing`), so they hold no raw
+  sensitive value either; the mirror never selects them. Every table with a `sensitive` column
+  needs the key, a table that only drops too.
+- A column that is not declared is not stored on a table with `sensitive` columns, whatever
+  `new_columns` says: nobody has yet said whether it is sensitive, so it waits, sealed in the
+  error table's bytes of any bad record, until it is declared under `columns` (marked or not).
+  The schema_drift check names it (`withheld_columns`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets.config import TableSpec, spark_type
+from cdc_assets.sealing import MASKING_FIELD, seal_raw_bytes
 from resources.masking import HmacKey, MaskingKeyError
 
 HASH, DROP = "hash", "drop"
-# Field metadata of a hashed column in the mirror's schema: the proof it never held raw values.
-MASKING_FIELD = "cdc.masking"
+# MASKING_FIELD: field metadata of a hashed column in the mirror's schema (the proof it never
+# held raw values), as of the error table's sealed bytes.
 HMAC_SHA256 = "hmac-sha256"
 _TIMESTAMP_FORMAT = "yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'"
 
@@ -88,16 +93,18 @@ def _hmac_udf(key: HmacKey):
 
 
 def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> DataFrame:
-    """Hashes and drops `spec`'s sensitive columns of decoded changes (`cdc_assets.decode`)."""
+    """Hashes and drops `spec`'s sensitive columns of decoded changes (`cdc_assets.decode`) and
+    seals their raw bytes (`cdc_assets.sealing`)."""
     if not spec.sensitive:
         return decoded
     hashed = hashed_columns(spec)
-    if hashed and key is None:
+    if key is None:
         raise MaskingKeyError(
-            f"table '{spec.name}', setting 'sensitive': columns [{', '.join(hashed)}] are "
-            "hashed, but run_hour got no masking key; pass the masking resource's key."
+            f"table '{spec.name}', setting 'sensitive': columns [{', '.join(spec.sensitive)}] "
+            "are masked and the error table's raw bytes sealed, but run_hour got no masking "
+            "key; pass the masking resource's key."
         )
-    masked = decoded
+    masked = seal_raw_bytes(decoded, key)
     if hashed:
         hmac_sha256 = _hmac_udf(key)
         masked = masked.withColumns(

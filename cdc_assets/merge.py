@@ -42,6 +42,7 @@ from cdc_assets.decode import (
     SOURCE_TS,
 )
 from cdc_assets.ledger import DeltaLog
+from cdc_assets.sealing import check_error_table, error_table_schema
 
 log = logging.getLogger(__name__)
 T_ = TypeVar("T_")
@@ -411,18 +412,37 @@ def _outcome(
 
 
 def write_errors(
-    spark: SparkSession, table: str, path: str, errors: DataFrame, *, hour_key: str, ingested_at
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    errors: DataFrame,
+    *,
+    hour_key: str,
+    ingested_at,
 ) -> None:
-    """Adds bad records to error table `table` once each, keyed by their Kafka coordinates."""
+    """Adds bad records to `spec`'s error table once each, keyed by their Kafka coordinates.
+
+    A table with sensitive columns has its `key` and `value` sealed (`cdc_assets.sealing`);
+    rows are never added to an error table sealed otherwise (`check_error_table`)."""
+    sealed = bool(spec.sensitive)
     retry_on_conflict(
-        lambda: _write_errors_once(spark, path, errors, hour_key=hour_key, ingested_at=ingested_at),
-        table=table,
+        lambda: _write_errors_once(
+            spark, spec, path, errors, hour_key=hour_key, ingested_at=ingested_at, sealed=sealed
+        ),
+        table=spec.error_table_name,
         path=path,
     )
 
 
 def _write_errors_once(
-    spark: SparkSession, path: str, errors: DataFrame, *, hour_key: str, ingested_at
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    errors: DataFrame,
+    *,
+    hour_key: str,
+    ingested_at,
+    sealed: bool,
 ) -> None:
     rows = errors.select(
         F.col("topic"),
@@ -435,9 +455,9 @@ def _write_errors_once(
         F.lit(hour_key).alias("hour"),
         F.lit(ingested_at).cast("timestamp").alias("ingested_at"),
     )
-    table = (
-        DeltaTable.createIfNotExists(spark).location(path).addColumns(ERROR_TABLE_SCHEMA).execute()
-    )
+    schema = error_table_schema(ERROR_TABLE_SCHEMA, sealed=sealed)
+    table = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
+    check_error_table(table.toDF().schema, table=spec.name, path=path, sealed=sealed)
     (
         table.alias("t")
         .merge(

@@ -16,7 +16,7 @@ Serverless: CloudWatch Logs) or S3 (EMR on EC2 with `PipesS3MessageReader`).
 Configuration, besides the extras (which never carry a secret):
 
 - `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT`: used when the extras don't name them.
-- `CDC_KAFKA_SASL_PASSWORD` (SASL only) and `CDC_MASKING_KEY` (tables that hash a column):
+- `CDC_KAFKA_SASL_PASSWORD` (SASL only) and `CDC_MASKING_KEY` (tables with sensitive columns):
   secrets, from the job's environment only (on EMR Serverless `EMRServerlessLaunch.secret_env`
   puts them there from AWS Secrets Manager, see docs/emr.md).
 """
@@ -54,7 +54,6 @@ from pyspark.sql import SparkSession  # noqa: E402
 from cdc_assets.config import TableSpec  # noqa: E402
 from cdc_assets.factory import hour_summary, partial_warning, result_metadata  # noqa: E402
 from cdc_assets.hour_run import run_hour  # noqa: E402
-from cdc_assets.masking import hashed_columns  # noqa: E402
 from cdc_assets.pipes import (  # noqa: E402
     CHECK_DESCRIPTIONS,
     EXTRA_FORCE_OPEN_HOUR,
@@ -146,12 +145,12 @@ def job_lake(root: str | None) -> LakeResource:
 
 
 def job_masking_key(spec: TableSpec) -> HmacKey | None:
-    """The masking key of a table that hashes columns (the same checks as the in-process run)."""
-    hashed = hashed_columns(spec) if spec.sensitive else []
-    if not hashed:
+    """The masking key of a table with sensitive columns (the same checks as the in-process
+    run): it hashes them and seals the error table's raw bytes."""
+    if not spec.sensitive:
         return None
     masking = MaskingResource(key=os.environ.get(MASKING_KEY_ENV))
-    return masking.hmac_key(table=spec.name, columns=hashed)
+    return masking.hmac_key(table=spec.name, columns=list(spec.sensitive))
 
 
 def session_conf(submitted: Mapping[str, str]) -> dict[str, str]:

@@ -24,6 +24,7 @@
 - schema_drift: the columns the source sends in `after` against the declared ones: a column
   that appeared, vanished, or arrives in an encoding its declared type can't hold (checked
   against the connector's own Connect schema when the records carry one, else their JSON).
+  A table with sensitive columns doesn't store an undeclared one: `withheld_columns` names it.
 - toasted_values (tables with toasted_columns): no live row holds an unknown unchanged TOASTed
   value (`cdc_assets/toast.py`); such rows are flagged `_cdc_unknown__<column>`.
 - retention_risk (I6): the hour's start offsets are still in Kafka, and how long they stay
@@ -312,6 +313,12 @@ def schema_drift_result(
     problems = []
     if appeared:
         problems.append(f"columns not in the tables file appeared: {', '.join(appeared)}")
+    if result.withheld_columns:
+        problems.append(
+            f"not stored: {', '.join(result.withheld_columns)}; the table has sensitive columns, "
+            "so new_columns: add waits until a column is declared under columns (marked "
+            "sensitive or not)"
+        )
     if vanished:
         problems.append(f"declared columns the source no longer sends: {', '.join(vanished)}")
     problems += [reason for reasons in changed.values() for reason in reasons]
@@ -324,6 +331,7 @@ def schema_drift_result(
             "appeared": ", ".join(appeared),
             "vanished": ", ".join(vanished),
             "type_changed": dg.MetadataValue.json(changed),
+            "withheld_columns": ", ".join(result.withheld_columns),
         },
     )
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
-from kafka import KafkaConsumer
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import KafkaTimeoutError
 from pydantic import Field, field_validator
@@ -17,9 +17,10 @@ from pydantic import Field, field_validator
 
 class _NoFetchedRecords(logging.Filter):
     """Keeps the records a fetch brought out of kafka-python's DEBUG log: its connection and
-    protocol parser log every response whole, and the raw bytes received, and a fetch holds
-    the topic's rows, which a small slice read in the driver (cdc_assets/read.py) would
-    otherwise write to the log. Those arguments are replaced by their type and size."""
+    protocol parser log every request and response whole, and the raw bytes received, and a
+    fetch holds the topic's rows, which a small slice read in the driver (cdc_assets/read.py)
+    would otherwise write to the log; a produce request (the error replay) holds them too.
+    Those arguments are replaced by their type and size."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and record.levelno <= logging.DEBUG:
@@ -30,7 +31,7 @@ class _NoFetchedRecords(logging.Filter):
 def _without_records(arg: Any) -> Any:
     if isinstance(arg, bytes | bytearray | memoryview):
         return f"<{len(arg)} bytes>"
-    if "Fetch" in type(arg).__name__:
+    if "Fetch" in type(arg).__name__ or "Produce" in type(arg).__name__:
         return f"<{type(arg).__name__}: records not logged>"
     return arg
 
@@ -141,6 +142,13 @@ class KafkaResource(dg.ConfigurableResource):
                 isolation_level="read_committed" if committed else "read_uncommitted",
                 **self._client_settings(),
             )
+
+    def producer(self) -> KafkaProducer:
+        """A producer that waits for every in-sync replica: only the error replay writes
+        (`cdc_assets.error_replay`)."""
+        _keep_records_out_of_logs()
+        with self._explained_bootstrap():
+            return KafkaProducer(acks="all", **self._client_settings())
 
     @contextlib.contextmanager
     def _explained_bootstrap(self) -> Iterator[None]:

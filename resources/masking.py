@@ -1,4 +1,6 @@
-"""The secret key that sensitive columns are hashed with (HMAC-SHA256), from the environment."""
+"""The secret key that sensitive columns are hashed with (HMAC-SHA256), and that the error
+table's raw bytes are sealed with (a key derived from it, `cdc_assets.sealing`), from the
+environment."""
 
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ class HmacKey:
 
 
 class MaskingResource(dg.ConfigurableResource):
-    """Holds the key of the `hash` masking mode of the tables file's `sensitive` setting.
+    """Holds the key of the tables file's `sensitive` setting: `hash` columns are keyed by it,
+    and the error table's raw bytes are sealed with a key derived from it.
 
     Give the key as `dg.EnvVar("CDC_MASKING_KEY")`, never inline: Dagster then stores only the
-    variable's name. Only tables that hash a column require this resource, so the others run
-    without a key.
+    variable's name. Only tables with sensitive columns require this resource, so the others
+    run without a key.
     """
 
     # repr=False: a resource printed in a log or an error shows no key.
@@ -37,17 +40,19 @@ class MaskingResource(dg.ConfigurableResource):
         repr=False,
         description=(
             f"Secret of at least {MIN_KEY_BYTES} bytes for HMAC-SHA256, e.g. from "
-            "`openssl rand -hex 32`. Changing it changes every hash written from then on."
+            "`openssl rand -hex 32`. Changing it changes every hash written from then on, and "
+            "error rows sealed before open only with the old one."
         ),
     )
 
     def hmac_key(self, *, table: str, columns: list[str]) -> HmacKey:
-        """The key for `table`'s hashed `columns`, or an error saying how to configure it."""
+        """The key for `table`'s sensitive `columns`, or an error saying how to configure it."""
         secret = (self.key or "").encode()
-        hashed = ", ".join(columns)
+        masked = ", ".join(columns)
         if not secret:
             raise MaskingKeyError(
-                f"table '{table}', setting 'sensitive': columns [{hashed}] are hashed, but no "
+                f"table '{table}', setting 'sensitive': columns [{masked}] are masked and the "
+                "error table's raw bytes sealed with the masking key, but no "
                 f"masking key is configured. Set the environment variable {MASKING_KEY_ENV} to a "
                 f"secret of at least {MIN_KEY_BYTES} bytes (e.g. `openssl rand -hex 32`), which "
                 f"the `masking` resource reads as dg.EnvVar('{MASKING_KEY_ENV}'). Nothing was "

@@ -144,13 +144,16 @@ def test_sensitive_columns_are_stored_masked():
     )
     assert stored_spec(spec).columns == {"id": "bigint", "email": "string", "ssn": "string"}
     assert "masking" in build_table_asset(spec=spec).required_resource_keys
-    # A table that only drops needs no key, so it runs without the masking resource.
+    # A table that only drops needs the key too: its error table's raw bytes are sealed with it.
     dropping = spec.model_copy(update={"sensitive": {"x": "drop"}, "expectations": ()})
-    assert "masking" not in build_table_asset(spec=dropping).required_resource_keys
+    assert "masking" in build_table_asset(spec=dropping).required_resource_keys
+    # A table without sensitive columns runs without the masking resource.
+    plain = spec.model_copy(update={"sensitive": {}, "expectations": ()})
+    assert "masking" not in build_table_asset(spec=plain).required_resource_keys
 
 
-def _hashing_run(tmp_path, masking: MaskingResource):
-    (spec,) = parse_tables({"tables": [_entry(sensitive={"email": "hash"})]})
+def _hashing_run(tmp_path, masking: MaskingResource, mode: str = "hash"):
+    (spec,) = parse_tables({"tables": [_entry(sensitive={"email": mode})]})
     resources = {
         # Never contacted: the masking setup is checked before anything is read.
         "kafka": KafkaResource(bootstrap_servers="127.0.0.1:9"),
@@ -173,8 +176,9 @@ def _hashing_run(tmp_path, masking: MaskingResource):
         ("short", f"the masking key in {MASKING_KEY_ENV} has 5 bytes; HMAC-SHA256 needs at least"),
     ],
 )
-def test_a_hashing_table_without_a_usable_key_fails_fast(tmp_path, key, expected):
-    result = _hashing_run(tmp_path, MaskingResource(key=key))
+@pytest.mark.parametrize("mode", ["hash", "drop"])
+def test_a_masking_table_without_a_usable_key_fails_fast(tmp_path, key, expected, mode):
+    result = _hashing_run(tmp_path, MaskingResource(key=key), mode)
     assert not result.success
     (failure,) = result.get_step_failure_events()
     message = failure.step_failure_data.user_failure_data.description

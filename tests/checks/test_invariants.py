@@ -238,6 +238,20 @@ def test_schema_drift_names_appeared_vanished_and_changed_columns():
     assert check.metadata["type_changed"].value == {"id": [mismatch]}
 
 
+def test_schema_drift_names_the_columns_a_sensitive_table_withheld():
+    shape = SourceShape(fields={"id": {"string"}, "phone": {"string"}}, schemas={True})
+    check = schema_drift_result(
+        _result(source_fields=shape, withheld_columns=("phone",)), SPEC, POLICY
+    )
+    assert not check.passed
+    assert "not stored: phone; the table has sensitive columns" in check.description
+    assert check.metadata["withheld_columns"].value == "phone"
+    # Nothing withheld: the metadata says so, and no such problem is named.
+    check = schema_drift_result(_result(source_fields=shape), SPEC, POLICY)
+    assert "not stored" not in check.description
+    assert check.metadata["withheld_columns"].value == ""
+
+
 def test_an_hour_whose_every_change_is_an_error_fails_changes_readable():
     reason = "column 'balance' holds decimal text ..."
     policy = CheckPolicy(severity="ERROR", blocking=True)
