@@ -12,7 +12,7 @@ from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_mirror_assets, build_retention_check_for
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource, s3_resource_from_env
+from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
 from resources.masking import MASKING_KEY_ENV, MaskingResource
 from resources.spark import SparkResource
 from sensors.downstream import build_downstream_sensor
@@ -43,8 +43,13 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
                 bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS"),
             ),
             "spark": SparkResource(),
-            # A folder, or s3://bucket/prefix reached with the AWS settings of the environment.
-            "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT"), s3=s3_resource_from_env()),
+            # A folder, or s3://bucket/prefix reached with the AWS settings of the environment;
+            # on S3, safe with several writers unless CDC_LAKE_SINGLE_WRITER says it has one.
+            "lake": LakeResource(
+                root=dg.EnvVar("CDC_LAKE_ROOT"),
+                s3=s3_resource_from_env(),
+                single_writer=single_writer_from_env(),
+            ),
             # Required only by tables with `sensitive` columns (hashes, the error table's seal).
             "masking": MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)),
         },

@@ -16,6 +16,8 @@ Serverless: CloudWatch Logs) or S3 (EMR on EC2 with `PipesS3MessageReader`).
 Configuration, besides the extras (which never carry a secret):
 
 - `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT`: used when the extras don't name them.
+- `CDC_LAKE_SINGLE_WRITER`: `true` lets an S3 lake use Delta's single-driver log store
+  (resources/lake.py; docs/deploy.md, one writer per table).
 - `CDC_KAFKA_SASL_PASSWORD` (SASL only) and `CDC_MASKING_KEY` (tables with sensitive columns):
   secrets, from the job's environment only (on EMR Serverless `EMRServerlessLaunch.secret_env`
   puts them there from AWS Secrets Manager, see docs/emr.md).
@@ -66,7 +68,7 @@ from cdc_assets.pipes import (  # noqa: E402
 )
 from checks.table_checks import evaluate_run_checks  # noqa: E402
 from resources.kafka import KafkaResource  # noqa: E402
-from resources.lake import LakeResource  # noqa: E402
+from resources.lake import LakeResource, single_writer_from_env  # noqa: E402
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource  # noqa: E402
 
 KAFKA_BOOTSTRAP_ENV = "CDC_KAFKA_BOOTSTRAP_SERVERS"
@@ -141,7 +143,7 @@ def job_lake(root: str | None) -> LakeResource:
     root = root or os.environ.get(LAKE_ROOT_ENV)
     if not root:
         raise JobConfigError(f"no lake root: neither the Pipes extras nor {LAKE_ROOT_ENV}")
-    return LakeResource(root=root)
+    return LakeResource(root=root, single_writer=single_writer_from_env())
 
 
 def job_masking_key(spec: TableSpec) -> HmacKey | None:

@@ -1,10 +1,13 @@
 """A local S3 API server for the tests of the lake on S3: moto's standalone server on loopback.
 
 `start(config)` runs `moto_server` (from the pinned `moto[server]` dev dependency) on
-127.0.0.1 and returns its endpoint; `stop(config)` ends it. With `users`, the server enforces
-AWS signatures and IAM policies once those users exist: each gets an access key allowed to do
-anything on S3, so a request signed with any other key is refused, as on AWS. The server keeps
-its objects in memory: a restart starts empty.
+127.0.0.1 and returns its endpoint; `stop(config)` ends it. With `serialized`, the same moto
+application handles one request at a time (`python -m devtools.s3_server HOST PORT`): moto checks
+a conditional PUT's `If-None-Match` and then stores the object in two steps, so two concurrent
+PUTs of one key could both pass on its threaded server, where S3 lets exactly one win.
+With `users`, the server enforces AWS signatures and IAM policies once those users exist: each
+gets an access key allowed to do anything on S3, so a request signed with any other key is
+refused, as on AWS. The server keeps its objects in memory: a restart starts empty.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,8 @@ class S3ServerConfig:
     region: str = "us-east-1"
     # IAM users to create, each with an access key; when empty the server accepts any key.
     users: list[str] = field(default_factory=list)
+    # One request at a time, so a conditional PUT is atomic as on S3 (see the module's doc).
+    serialized: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -57,13 +63,18 @@ def start(config: S3ServerConfig, *, timeout_s: float = 60) -> dict[str, AccessK
     # Create the users and their keys and policies (3 calls each) before signatures count.
     if config.users:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(3 * len(config.users))
-    server = Path(sys.executable).with_name("moto_server")
+    if config.serialized:
+        command = [sys.executable, "-m", "devtools.s3_server", "127.0.0.1", str(config.port)]
+    else:
+        command = [str(Path(sys.executable).with_name("moto_server"))]
+        command += ["-H", "127.0.0.1", "-p", str(config.port)]
     log = open(config.log_dir / "moto.log", "ab")
     process = subprocess.Popen(
-        [str(server), "-H", "127.0.0.1", "-p", str(config.port)],
+        command,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
+        cwd=Path(__file__).resolve().parents[1],
         start_new_session=True,
     )
     log.close()
@@ -113,3 +124,33 @@ def stop(config: S3ServerConfig) -> None:
     except ProcessLookupError:
         pass
     pid_file.unlink()
+
+
+def serve_serialized(host: str, port: int) -> None:
+    """moto's server application, each request handled whole before the next one starts.
+
+    Threads still accept connections (S3A keeps its connections open), but a lock spans each
+    request's handling, where moto reads and changes its state.
+    """
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    app = DomainDispatcherApplication(create_backend_app)
+    lock = threading.Lock()
+
+    def serialized(environ, start_response):
+        with lock:
+            # moto's responses are built whole (no streaming), so the state is settled here.
+            return list(app(environ, start_response))
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_simple(host, port, serialized, threaded=True, request_handler=MotoRequestHandler)
+
+
+if __name__ == "__main__":
+    serve_serialized(sys.argv[1], int(sys.argv[2]))

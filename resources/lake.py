@@ -5,12 +5,19 @@ An `s3://bucket/prefix` (or `s3a://`) root is read and written by Spark's S3A fi
 lake's dagster-aws `S3Resource` (fields as `dg.EnvVar`, or boto3's own chain: environment,
 profile, instance role), and `LakeResource.connect(spark)` hands them to S3A for the lake's
 bucket only, before anything touches a table.
+
+Several writers of one table on S3 (two Dagster deployments, a notebook, a second cluster) are
+safe only when every Delta commit is a put-if-absent. `connect` therefore refuses an S3 lake
+unless Spark's Delta log store for s3a makes one (the conditional-put log store SparkResource
+sets, or Delta's DynamoDB one) and the store honours S3 conditional writes, unless the lake is
+declared `single_writer` (then Delta's default S3 log store, safe inside one Spark driver only).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +29,8 @@ import dagster as dg
 from dagster_aws.s3 import S3Resource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
+
+from resources.spark import CONDITIONAL_PUT_LOG_STORE, LOG_STORE_CONF
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,20 @@ CREDENTIAL_ENV = {
     "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
     "AWS_SESSION_TOKEN": "aws_session_token",
 }
+
+
+# Delta log stores for s3a whose commit is a put-if-absent across Spark drivers: ours (S3
+# conditional writes, jvm/log-store) and Delta's own DynamoDB-backed one, if a cluster brings it.
+MULTI_WRITER_LOG_STORES = {CONDITIONAL_PUT_LOG_STORE, "io.delta.storage.S3DynamoDBLogStore"}
+SINGLE_WRITER_ENV = "CDC_LAKE_SINGLE_WRITER"
+
+
+def single_writer_from_env(environ: Mapping[str, str] = os.environ) -> bool:
+    """A deployment's word that only its own runs write the lake (CDC_LAKE_SINGLE_WRITER)."""
+    value = environ.get(SINGLE_WRITER_ENV, "").strip().lower()
+    if value not in ("", "0", "false", "no", "1", "true", "yes"):
+        raise LakeConfigError(f"{SINGLE_WRITER_ENV}={value!r}: set it to true or false.")
+    return value in ("1", "true", "yes")
 
 
 class LakeConfigError(RuntimeError):
@@ -156,6 +179,14 @@ class LakeResource(dg.ConfigurableResource):
         default=None,
         description="S3A path-style requests; default: on for a custom endpoint, off for AWS.",
     )
+    single_writer: bool = Field(
+        default=False,
+        description=(
+            "An S3 lake that only one Spark driver at a time ever writes (one Dagster "
+            "deployment, its pools): Delta's default S3 log store is then accepted. Off: the "
+            "lake needs a multi-writer log store, or connecting fails (docs/deploy.md)."
+        ),
+    )
 
     _connected: set[int] = PrivateAttr(default_factory=set)
 
@@ -201,15 +232,106 @@ class LakeResource(dg.ConfigurableResource):
         _check_bucket(s3, location, self.root)
         for key, value in settings.items():
             hadoop.set(key, value)
+        store = delta_log_store(spark, self.root_uri)
+        if not self.single_writer:
+            check_multi_writer_log_store(store, self.root)
+            if store == CONDITIONAL_PUT_LOG_STORE:
+                _check_conditional_writes(s3, location, self.root)
         self._connected.add(id(spark))
         log.info(
-            "lake on s3a://%s (endpoint %s, credentials: %s)",
+            "lake on s3a://%s (endpoint %s, credentials: %s, Delta log store %s%s)",
             location.bucket,
             settings.get(f"fs.s3a.bucket.{location.bucket}.endpoint", "AWS"),
             "from the S3 resource"
             if any(k.endswith(".access.key") for k in settings)
             else "S3A's default chain",
+            store,
+            ", single writer" if self.single_writer else "",
         )
+
+
+def delta_log_store(spark: SparkSession, path: str) -> str:
+    """The class of the log store Delta commits to `path` with, resolved as Delta resolves it."""
+    jvm = spark.sparkContext._jvm
+    delegating = jvm.org.apache.spark.sql.delta.storage.LogStore.apply(spark._jsparkSession)
+    try:
+        store = delegating.getDelegate(jvm.org.apache.hadoop.fs.Path(path))
+    except Exception as error:
+        raise LakeConfigError(
+            f"Delta can't create the log store for '{path}' ({LOG_STORE_CONF}): "
+            f"{str(error).splitlines()[-1][:300]}. Resolve the jars with scripts/install.sh."
+        ) from None
+    # A Java log store (io.delta.storage.LogStore) is wrapped in Delta's Scala adaptor.
+    if store.getClass().getName().endswith(".LogStoreAdaptor"):
+        store = store.logStoreImpl()
+    return store.getClass().getName()
+
+
+def check_multi_writer_log_store(store: str, root: str) -> None:
+    """Fails, naming the setting and the fix, when `store` lets two writers lose a commit."""
+    if store in MULTI_WRITER_LOG_STORES:
+        return
+    raise LakeConfigError(
+        f"lake root '{root}': Delta commits to it with {store}, which is safe with one Spark "
+        "driver only: two writers of a table (a second deployment, a notebook, another "
+        "cluster) can overwrite each other's commits on S3 and lose one without an error. "
+        f"Run scripts/install.sh, which builds the conditional-put log store (jvm/log-store) "
+        f"that SparkResource sets as {LOG_STORE_CONF}={CONDITIONAL_PUT_LOG_STORE} (a cluster "
+        "of your own: add its jar to spark.jars and set that conf). Or, if this deployment is "
+        f"the only writer of the lake, say so: {SINGLE_WRITER_ENV}=true "
+        "(LakeResource.single_writer); see docs/deploy.md."
+    )
+
+
+def _check_conditional_writes(s3: S3Resource, location: S3Location, root: str) -> None:
+    """Fails with the fix unless the store refuses a second If-None-Match PUT of one key.
+
+    A store that ignores the header would let both writers of a version succeed, the later
+    replacing the earlier commit: the log store would be no safer than Delta's default. Two PUTs
+    and a DELETE of a probe object under the lake's prefix, once per session.
+    """
+    client = s3.get_client()
+    key = "/".join(
+        part for part in (location.prefix, "_cdc_conditional_write_probe", uuid.uuid4().hex) if part
+    )
+    where = f"lake root '{root}' (endpoint {client.meta.endpoint_url})"
+    fix = (
+        "Use a store with S3 conditional writes (AWS S3 has them; check your S3-compatible "
+        f"store's version), or set {SINGLE_WRITER_ENV}=true if this deployment is the only writer."
+    )
+    try:
+        client.put_object(Bucket=location.bucket, Key=key, Body=b"", IfNoneMatch="*")
+        try:
+            client.put_object(Bucket=location.bucket, Key=key, Body=b"", IfNoneMatch="*")
+        except botocore.exceptions.ClientError as error:
+            if error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
+                return
+            raise
+        raise LakeConfigError(
+            f"{where}: the store ignores S3 conditional writes (a second PUT with "
+            "If-None-Match: * replaced the object), so two writers of a Delta table could "
+            f"both commit one version and one commit would be lost. {fix}"
+        )
+    except botocore.exceptions.ClientError as error:
+        code = error.response.get("Error", {}).get("Code", "")
+        if code in ("403", "AccessDenied"):
+            raise LakeConfigError(
+                f"{where}: writing under the lake's prefix was denied ({code}). Its writers need "
+                "s3:PutObject and s3:DeleteObject there (check the credentials' policy)."
+            ) from None
+        raise LakeConfigError(
+            f"{where}: a conditional write (PUT with If-None-Match: *) was refused ({code}), "
+            f"so Delta's commits can't be made safe for several writers. {fix}"
+        ) from None
+    except botocore.exceptions.EndpointConnectionError:
+        raise LakeUnavailableError(
+            f"{where}: S3 does not answer; the run's retries try again."
+        ) from None
+    finally:
+        try:
+            client.delete_object(Bucket=location.bucket, Key=key)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+            pass  # what failed before is what the run reports
 
 
 def _check_bucket(s3: S3Resource, location: S3Location, root: str) -> None:

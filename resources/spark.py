@@ -1,7 +1,9 @@
 """The Spark session: `local[*]` by default, any master URL by config, Delta and Kafka jars local.
 
 The jars come from `.jars/spark/`, which `mvn package` fills from pom.xml; nothing is
-downloaded when the session starts. One session is shared by everything in a process.
+downloaded when the session starts. One session is shared by everything in a process. With the
+S3A jars comes Delta's log store for s3a paths that is safe with several writers
+(`.jars/log-store/`, jvm/log-store, compiled by scripts/install.sh).
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from pyspark.sql import SparkSession
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JARS_DIR = REPO_ROOT / ".jars" / "spark"
 DEFAULT_S3_JARS_DIR = REPO_ROOT / ".jars" / "s3"
+DEFAULT_LOG_STORE_DIR = REPO_ROOT / ".jars" / "log-store"
+# Delta reads its log store class for a scheme from the SparkConf the session starts with
+# (DelegatingLogStore: SparkEnv's conf), so it can't be set on a running session.
+LOG_STORE_CONF = "spark.delta.logStore.s3a.impl"
+CONDITIONAL_PUT_LOG_STORE = "io.cdclake.delta.ConditionalPutLogStore"
 
 
 class SparkJarsMissingError(RuntimeError):
@@ -60,6 +67,12 @@ def s3_class_path(jars_dir: Path) -> str | None:
     return f"{jars_dir}/*"
 
 
+def log_store_jar(jars_dir: Path) -> str | None:
+    """The conditional-put log store's jar (jvm/log-store), if scripts/install.sh built it."""
+    jars = sorted(jars_dir.glob("conditional-put-log-store-*.jar"))
+    return str(jars[-1]) if jars else None
+
+
 class SparkResource(dg.ConfigurableResource):
     """Builds the SparkSession through dagster-pyspark, with Delta and the Kafka source set up."""
 
@@ -71,6 +84,13 @@ class SparkResource(dg.ConfigurableResource):
         description=(
             "Folder of the S3A jars (hadoop-aws and the AWS SDK), put on the driver's and "
             "executors' class path; ignored when missing (a cluster may bring its own)."
+        ),
+    )
+    log_store_dir: str = Field(
+        default=str(DEFAULT_LOG_STORE_DIR),
+        description=(
+            "Folder of the conditional-put log store's jar: with the S3A jars, it is Delta's "
+            f"log store for s3a paths ({LOG_STORE_CONF}), safe with several writers of a table."
         ),
     )
     driver_memory: str = "2g"
@@ -134,6 +154,13 @@ class SparkResource(dg.ConfigurableResource):
         if class_path:
             conf["spark.driver.extraClassPath"] = class_path
             conf["spark.executor.extraClassPath"] = class_path
+            # Only the driver commits, but the class extends Delta's S3 log store, so it must be
+            # loaded beside Delta (spark.jars), not from the class path. It is used for s3a paths
+            # only; LakeResource.connect refuses an S3 lake without it (or single_writer).
+            store = log_store_jar(Path(self.log_store_dir))
+            if store:
+                conf["spark.jars"] += "," + store
+                conf[LOG_STORE_CONF] = CONDITIONAL_PUT_LOG_STORE
         conf.update(self.extra_conf)
         return conf
 

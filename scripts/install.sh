@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything the project needs into the checkout: the virtualenv with the pinned
 # Python packages, the JVM jars from Maven Central (pom.xml → .jars/: Spark's, the Kafka broker,
-# Kafka Connect and Debezium's connectors), and Debian's PostgreSQL and MariaDB
-# (→ .tools/). Idempotent: a second run only checks. Needs python3.11, java 17
-# and mvn on PATH, and Debian's apt-get and dpkg-deb.
+# Kafka Connect and Debezium's connectors; Delta's log store for S3 compiled from jvm/log-store),
+# and Debian's PostgreSQL and MariaDB (→ .tools/). Idempotent: a second run only checks. Needs
+# python3.11, java 17 and mvn on PATH, and Debian's apt-get and dpkg-deb.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -108,4 +108,20 @@ if [ ! -f "$clock_jar" ]; then
     -d .jars/connect-clock/classes "$clock_src"/io/cdclake/connect/*.java
   jar cf "$clock_jar" -C .jars/connect-clock/classes .
   rm -rf .jars/connect-clock/classes
+fi
+
+# Delta's log store for a lake on S3 with more than one writer (jvm/log-store): commit files are
+# created with S3 conditional writes. Compiled against Delta's storage jar (.jars/spark), S3A
+# (.jars/s3) and pyspark's Hadoop; SparkResource hands it to Spark (spark.jars).
+store_src=jvm/log-store/src/main/java
+store_jar=.jars/log-store/conditional-put-log-store-$(cat "$store_src"/io/cdclake/delta/*.java .jars/spark/delta-storage-*.jar .jars/s3/hadoop-aws-*.jar | sha1sum | cut -c1-12).jar
+if [ ! -f "$store_jar" ]; then
+  echo "install: Delta's conditional-put log store for S3 ($store_jar)"
+  pyspark_jars=$(.venv/bin/python -c 'import pathlib, pyspark; print(pathlib.Path(pyspark.__file__).parent / "jars")')
+  rm -rf .jars/log-store && mkdir -p .jars/log-store/classes
+  javac --release 17 -nowarn \
+    -cp "$(ls .jars/spark/delta-storage-*.jar):$(ls .jars/s3/hadoop-aws-*.jar):$(ls .jars/s3/bundle-*.jar):$pyspark_jars/*" \
+    -d .jars/log-store/classes "$store_src"/io/cdclake/delta/*.java
+  jar cf "$store_jar" -C .jars/log-store/classes .
+  rm -rf .jars/log-store/classes
 fi
