@@ -79,6 +79,8 @@ SCENARIOS = (
     "blocking_check_holds_downstream",
     "sasl_scram_tls",
     "sensitive_columns_masked",
+    "daemon_killed_mid_tick",
+    "run_killed_holding_pool_slot",
 )
 
 
