@@ -21,7 +21,11 @@ from sensors.offset_progress import build_offset_sensor
 TABLES_FILE_ENV = "CDC_TABLES_FILE"
 
 
-def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
+def build_definitions(
+    specs: list[TableSpec], *, offset_sensor_interval_seconds: int = 30
+) -> dg.Definitions:
+    """Everything of `specs`; `offset_sensor_interval_seconds` is how often the offset sensor
+    may tick (the daemon fault scenarios tick it every few seconds)."""
     # The demo shop's downstream assets, when its three tables are mirrored.
     downstream = build_downstream_assets(specs)
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
@@ -31,7 +35,15 @@ def build_definitions(specs: list[TableSpec]) -> dg.Definitions:
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
         sensors=[
             # One sensor for every table: one Kafka read per tick, one run per closed hour.
-            *([build_offset_sensor(specs=specs)] if specs else []),
+            *(
+                [
+                    build_offset_sensor(
+                        specs=specs, minimum_interval_seconds=offset_sensor_interval_seconds
+                    )
+                ]
+                if specs
+                else []
+            ),
             *([build_downstream_sensor(downstream)] if downstream else []),
         ],
         schedules=[build_maintenance_schedule(maintenance)] if maintenance else [],

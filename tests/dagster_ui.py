@@ -1,11 +1,16 @@
-"""Reading a running Dagster webserver through its GraphQL API, as the UI reads it.
+"""Starting the real Dagster services, and reading a running webserver through its GraphQL API,
+as the UI reads it.
 
-Shared by the tests that start the real webserver (and daemon): the end-to-end test on
-`dagster dev`, and the production instance test on Postgres.
+Shared by the tests that start the real webserver and daemon: the end-to-end test on the
+production instance (Postgres), and the daemon fault scenarios (tests/faults/test_daemon.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +59,37 @@ class Service:
     name: str
     process: Popen
     log: Path
+
+
+def start_service(name: str, command: list[str], env: dict, log: Path, *, cwd: Path) -> Service:
+    """`command` in a process group of its own, its output in `log`: stopping the service stops
+    its code servers, run workers and their Spark JVMs with it."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Service(name, process, log)
+
+
+def stop_service(service: Service, *, grace_s: float = 30) -> None:
+    """SIGTERM to the service's process group, SIGKILL after `grace_s` (at once when 0), then
+    SIGKILL to what is left of the group (its code server, a run worker and its Spark JVM share
+    it)."""
+    pid = service.process.pid
+    if grace_s:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            service.process.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    service.process.wait()
 
 
 def graphql(port: int, query: str, variables: dict | None = None) -> dict:

@@ -84,6 +84,7 @@ def test_the_sensors_are_on_by_default():
     # One offset sensor for every table.
     assert set(sensors) == {"cdc_offsets", "shop_analytics_automation"}
     assert all(s.default_status == dg.DefaultSensorStatus.RUNNING for s in sensors.values())
+    assert sensors["cdc_offsets"].minimum_interval_seconds == 30
 
 
 def test_the_demo_instance_limits_each_table_to_one_run_and_retries_dead_runs(tmp_path):

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +35,15 @@ from demo.produce import DEFAULT_TOPIC_CONFIGS, ensure_topics
 from demo.reference import replay
 from devtools import postgres
 from tests.conftest import S3_KEY_ENV, S3_SECRET_ENV
-from tests.dagster_ui import RUNS, Service, asset_status, graphql, wait_for
+from tests.dagster_ui import (
+    RUNS,
+    Service,
+    asset_status,
+    graphql,
+    start_service,
+    stop_service,
+    wait_for,
+)
 from tests.support import demo_specs, free_ports, hour_keys, mirror_rows, read_topic, seed_demo
 
 pytestmark = pytest.mark.integration
@@ -63,34 +69,6 @@ def pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[postgres.Post
         yield config, password
     finally:
         postgres.stop(config)
-
-
-def _start(name: str, command: list[str], env: dict, log: Path) -> Service:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            # Own process group: teardown kills the code servers and run workers with it.
-            start_new_session=True,
-        )
-    return Service(name, process, log)
-
-
-def _kill(service: Service) -> None:
-    """SIGTERM to the service's process group, SIGKILL after 30 s, then SIGKILL to what is left
-    of the group (its code server, a run worker and its Spark JVM share it)."""
-    pid = service.process.pid
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        service.process.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    service.process.wait()
 
 
 @pytest.fixture
@@ -159,7 +137,7 @@ def deployment(broker, pg, s3, spark, tmp_path):
     services: list[Service] = []
     try:
         services.append(
-            _start(
+            start_service(
                 "dagster-webserver",
                 [
                     str(bin_dir / "dagster-webserver"),
@@ -171,14 +149,16 @@ def deployment(broker, pg, s3, spark, tmp_path):
                 ],
                 env,
                 tmp_path / "webserver.log",
+                cwd=REPO,
             )
         )
         services.append(
-            _start(
+            start_service(
                 "dagster-daemon",
                 [str(bin_dir / "dagster-daemon"), "run", *workspace],
                 env,
                 tmp_path / "daemon.log",
+                cwd=REPO,
             )
         )
         yield {
@@ -195,7 +175,7 @@ def deployment(broker, pg, s3, spark, tmp_path):
         }
     finally:
         for service in services:
-            _kill(service)
+            stop_service(service)
 
 
 def test_the_sensors_materialize_every_closed_hour_and_its_downstream(deployment, spark):

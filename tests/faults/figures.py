@@ -83,6 +83,8 @@ SCENARIOS = (
     "producer_clock_ahead_then_back",
     "lake_disk_full_during_merge",
     "s3_503_slowdown",
+    "daemon_killed_mid_tick",
+    "run_killed_holding_pool_slot",
 )
 
 

@@ -30,9 +30,9 @@ def hour_key(n: int) -> str:
     return (FIRST + timedelta(hours=n)).strftime(KEY_FORMAT)
 
 
-def stamp(hour: int, second: int = 0) -> int:
-    """Kafka timestamp (ms) `second` seconds into hour number `hour`."""
-    return int((FIRST + timedelta(hours=hour, seconds=second)).timestamp() * 1000)
+def stamp(hour: int, second: int = 0, *, first: datetime = FIRST) -> int:
+    """Kafka timestamp (ms) `second` seconds into hour number `hour` (counted from `first`)."""
+    return int((first + timedelta(hours=hour, seconds=second)).timestamp() * 1000)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Change:
     partition: int | None = None
     second: int = 0
     headers: tuple[tuple[str, bytes], ...] = ()
+    first: datetime = FIRST  # the start of hour 0 (the daemon scenarios use recent hours)
 
 
 def key_bytes(row_id: int | None) -> bytes | None:
@@ -62,18 +63,20 @@ def change(
     partition: int | None = None,
     second: int = 0,
     kafka_key: int | None | str = "row",
+    first: datetime = FIRST,
 ) -> Change:
     """A Debezium change of account `row_id` at `lsn`; the Kafka key is the row's id by default."""
     row = {"id": row_id, "name": name if name is not None else f"n{lsn}", "balance": balance or lsn}
+    at = stamp(hour, second, first=first)
     envelope = {
         "op": op,
         "before": row if op == "d" else None,
         "after": None if op == "d" else row,
-        "source": {"lsn": lsn, "ts_ms": stamp(hour, second)},
-        "ts_ms": stamp(hour, second),
+        "source": {"lsn": lsn, "ts_ms": at},
+        "ts_ms": at,
     }
     key = key_bytes(row_id) if kafka_key == "row" else key_bytes(kafka_key)  # type: ignore[arg-type]
-    return Change(hour, json.dumps(envelope).encode(), key, partition, second)
+    return Change(hour, json.dumps(envelope).encode(), key, partition, second, first=first)
 
 
 def move(
@@ -127,7 +130,7 @@ def send_all(bootstrap: str, topic: str, changes: Iterable[Change], **producer_o
                 key=c.key,
                 value=c.value,
                 partition=c.partition,
-                timestamp_ms=stamp(c.hour, c.second),
+                timestamp_ms=stamp(c.hour, c.second, first=c.first),
                 headers=list(c.headers) or None,
             )
             for c in changes
