@@ -32,7 +32,7 @@ from pyspark.sql import functions as F
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
 from cdc_assets.sealing import is_sealed, unseal_rows
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource, s3_resource_from_env
+from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource
 from resources.spark import SparkResource
 
@@ -130,7 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcome = replay_errors(
         spark=SparkResource().session,
         kafka=KafkaResource(bootstrap_servers=os.environ["CDC_KAFKA_BOOTSTRAP_SERVERS"]),
-        lake=LakeResource(root=os.environ["CDC_LAKE_ROOT"], s3=s3_resource_from_env()),
+        lake=LakeResource(
+            root=os.environ["CDC_LAKE_ROOT"],
+            s3=s3_resource_from_env(),
+            single_writer=single_writer_from_env(),
+        ),
         spec=spec,
         key=_masking_key(spec),
         hours=args.hour,

@@ -191,4 +191,12 @@ def count_slice_records(
                 f"topic '{hour_slice.topic}': counting the slice's records took over "
                 f"{timeout_s:g} s; check the brokers and run the hour again"
             )
+    # A seek below the log start lands elsewhere (auto_offset_reset): no count then.
+    starts = consumer.beginning_offsets(list(bounds))
+    gone = sorted(tp.partition for tp, (start, _) in bounds.items() if starts[tp] > start)
+    if gone:
+        raise SliceReadError(
+            f"topic '{hour_slice.topic}': partitions {gone} lost offsets of the slice to "
+            "retention while they were counted"
+        )
     return count

@@ -314,6 +314,12 @@ def _check_conditional_writes(s3: S3Resource, location: S3Location, root: str) -
         )
     except botocore.exceptions.ClientError as error:
         code = error.response.get("Error", {}).get("Code", "")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
+            raise LakeUnavailableError(
+                f"{where}: S3 answered the conditional-write probe with {code or status} "
+                "(throttling or a server error) past boto3's retries; the run's retries try again."
+            ) from None
         if code in ("403", "AccessDenied"):
             raise LakeConfigError(
                 f"{where}: writing under the lake's prefix was denied ({code}). Its writers need "
@@ -377,8 +383,9 @@ class LakeWriteError(RuntimeError):
 _STORAGE_FAILURES = (
     (
         ("No space left on device", "Disk quota exceeded"),
-        "the lake's disk is full",
-        "Free space on the lake's volume (VACUUM old tables, grow the volume)",
+        "a disk the run writes to is full (the lake's, or Spark's scratch space)",
+        "Free space on the lake's volume (VACUUM old tables, grow the volume) or in Spark's "
+        "local directories (spark.local.dir)",
     ),
     (
         ("SlowDown", "Please reduce your request rate", "503 Service Unavailable"),
