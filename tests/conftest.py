@@ -28,6 +28,9 @@ from tests.faults import figures
 # `ci` (the default when CI is set) draws the same examples every run and keeps no database;
 # `dev` draws new ones each run and keeps the failing ones in .local/hypothesis, replayed
 # first next time; `deep` explores longer. Pick one with --hypothesis-profile=NAME.
+# Hypothesis's own files (its examples, its cache of the code's constants) go under .local/.
+HYPOTHESIS_HOME = figures.REPO / ".local" / "hypothesis"
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(HYPOTHESIS_HOME))
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True
 )
@@ -35,7 +38,7 @@ settings.register_profile(
     "dev",
     max_examples=20,
     deadline=None,
-    database=DirectoryBasedExampleDatabase(str(figures.REPO / ".local" / "hypothesis")),
+    database=DirectoryBasedExampleDatabase(str(HYPOTHESIS_HOME / "examples")),
 )
 settings.register_profile("deep", settings.get_profile("dev"), max_examples=200)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
