@@ -13,6 +13,8 @@ import boto3
 import dagster as dg
 import pytest
 from dagster_aws.s3 import S3Resource
+from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 from pyspark.sql import SparkSession
 
 from devtools import kafka_broker, s3_server
@@ -20,6 +22,26 @@ from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
 from tests.faults import figures
+
+# Hypothesis profiles, sized for property tests whose every example runs the real pipeline
+# (seconds each, hence no deadline); a cheap property test sets its own max_examples.
+# `ci` (the default when CI is set) draws the same examples every run and keeps no database;
+# `dev` draws new ones each run and keeps the failing ones in .local/hypothesis, replayed
+# first next time; `deep` explores longer. Pick one with --hypothesis-profile=NAME.
+# Hypothesis's own files (its examples, its cache of the code's constants) go under .local/.
+HYPOTHESIS_HOME = figures.REPO / ".local" / "hypothesis"
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(HYPOTHESIS_HOME))
+settings.register_profile(
+    "ci", max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True
+)
+settings.register_profile(
+    "dev",
+    max_examples=20,
+    deadline=None,
+    database=DirectoryBasedExampleDatabase(str(HYPOTHESIS_HOME / "examples")),
+)
+settings.register_profile("deep", settings.get_profile("dev"), max_examples=200)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -63,7 +63,7 @@ SCENARIOS = (
     "killed_before_delta_commit",
     "killed_after_commit_before_dagster",
     "two_runs_of_one_hour_at_once",
-    "random_hour_orders_with_repeats",
+    "convergence_property",
     "delete_reinsert_and_key_update",
     "tombstones_null_and_mismatched_keys",
     "late_snapshot_reads",

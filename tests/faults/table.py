@@ -8,7 +8,7 @@ with `demo.reference` replayed over what Kafka really committed (read back, read
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -172,6 +172,25 @@ def reference(
     if upto_hour is not None:
         limit = stamp(upto_hour + 1)
         records = [r for r in records if r[4] < limit]
+    return reference_of(spec_, records, added_columns=added_columns)
+
+
+def hour_of(timestamp_ms: int) -> int:
+    """The hour number (see `hour_key`) a Kafka timestamp falls in."""
+    return (timestamp_ms - stamp(0)) // 3_600_000
+
+
+def reference_of(
+    spec_: TableSpec,
+    records: Sequence[tuple],
+    *,
+    hours: Collection[int] | None = None,
+    added_columns: dict[str, str] | None = None,
+) -> Reference:
+    """The reference replay of `records` (as `read_records(..., headers=True)` returns them),
+    or of those stamped in `hours` only: what materializing exactly those hours must give."""
+    if hours is not None:
+        records = [r for r in records if hour_of(r[4]) in hours]
     rows = [(p, o, v, k, h) for p, o, v, k, _, h in records]
     expected = replay(spec_, rows, added_columns)
     seen = set()

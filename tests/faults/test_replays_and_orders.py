@@ -1,9 +1,10 @@
 """Faults in what Kafka delivers and in how hours are run, judged against the reference replay.
 
-Scenarios 1, 3, 4, 5 and 7 of the fault suite: a connector restart's duplicates, two runs of
-one hour at once, hours in random orders with repeats, deletes and re-inserts, and snapshot
-reads that arrive after newer changes. Each compares the mirror with `demo.reference` replayed
-over what Kafka committed and records its figures for the report.
+Scenarios 1, 3, 5 and 7 of the fault suite: a connector restart's duplicates, two runs of
+one hour at once, deletes and re-inserts, and snapshot reads that arrive after newer changes
+(scenario 4, hours in any order with repeats, is the property in test_convergence.py). Each
+compares the mirror with `demo.reference` replayed over what Kafka committed and records its
+figures for the report.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cdc_assets import merge
 from cdc_assets.hour_run import run_hour
 from resources.lake import LakeResource
 from tests.faults import table
-from tests.faults.figures import Comparison, compare, record
+from tests.faults.figures import compare, record
 
 pytestmark = pytest.mark.integration
 
@@ -89,32 +90,6 @@ def test_a_connector_restart_replays_the_last_events(broker, scenario):
     # values, or superseded within the hour; every record is accounted for (I2) either way.
     c = second.counts
     assert c.consumed == c.applied + c.superseded + c.stale + c.tombstones + c.errors
-
-
-def test_hours_in_random_orders_with_repeats_converge(broker, scenario, tmp_path):
-    spec, run, check = scenario("orders")
-    hours = 3
-    table.send_all(broker, spec.topic, _history(2, hours=hours, keys=15, per_hour=40))
-    table.close_hours(broker, spec.topic, PARTITIONS, after_hour=hours - 1)
-
-    outcomes, runs = [], 0
-    for seed in range(3):
-        rng = random.Random(seed)
-        order = list(range(hours)) + rng.sample(range(hours), 2)
-        rng.shuffle(order)
-        lake = LakeResource(root=str(tmp_path / f"seed{seed}"))
-        for hour in order:
-            run(hour, lake)
-            runs += 1
-        outcomes.append((seed, order, check(lake)))
-    total = Comparison(
-        **{
-            name: sum(getattr(c, name) for _, _, c in outcomes)
-            for name in ("lost", "duplicates", "resurrected", "mismatches")
-        }
-    )
-    record("random_hour_orders_with_repeats", total, faults=runs)
-    assert total.clean, [(seed, order, c.details) for seed, order, c in outcomes if not c.clean]
 
 
 def test_deletes_reinserts_and_primary_key_updates(broker, scenario):
