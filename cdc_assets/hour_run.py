@@ -445,7 +445,9 @@ def _apply_hour(
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
         if toast.resolve_moves(spark, spec, path):
             version = current_version(spark, path, ledger)
-        expectations = validate_batch(spark, spec, path, version, latest.where(~F.col(DELETED)))
+        expectations = validate_batch(
+            spark, spec, path, version, latest.where(~F.col(DELETED)), key_range=bounds
+        )
     finally:
         for frame in frames:
             frame.unpersist()
