@@ -376,3 +376,37 @@ def test_a_failed_blocking_check_stops_downstream_in_a_real_run(
         assert not evaluation.passed
         assert "offsets [0, 2) are already deleted" in evaluation.description
         assert rechecked.get_asset_materialization_events() == []
+
+
+def test_primary_key_unique_fails_on_a_duplicated_key_in_the_hours_key_range(
+    hour, create_topic, send, spark, lake
+):
+    """A mirror row written twice (what a lost race with a second writer would leave) fails
+    `primary_key_unique` in the next hour that touches it; the check judges the hour's own keys
+    (read from the mirror's files in the hour's key range), so hours with other keys pass."""
+    topic = create_topic("pk-unique", partitions=1)
+    spec = _spec(topic)
+    t0, t1, t2 = (_ms(HOUR + timedelta(hours=n)) for n in range(3))
+    for row_id in (1, 2, 3):
+        send(topic, _key(row_id), _change("c", row_id, 10 + row_id), t0 + row_id)
+    send(topic, _key(2), _change("u", 2, 20, name="again"), t1)
+    send(topic, _key(100), _change("c", 100, 30), t2)
+    send(topic, _key(101), _change("c", 101, 31), t2 + 1)
+    send(topic, _key(9), _change("c", 9, 40), t2 + 3_600_000)  # closes hour 2
+
+    first = hour(spec, KEYS[0])[1]["primary_key_unique"]
+    assert first.passed and first.metadata["element_count"].value == 3
+    path = lake.table_path(spec.name)
+    mirror = spark.read.format("delta").load(path)
+    mirror.where("id = 3").write.format("delta").mode("append").save(path)  # row 3 twice
+
+    second = hour(spec, KEYS[1])[1]["primary_key_unique"]  # key 2: range [2, 2], no repeat
+    assert second.passed and second.metadata["element_count"].value == 1
+    third = hour(spec, KEYS[2])[1]["primary_key_unique"]  # keys 100..101: range misses 3
+    assert third.passed and third.metadata["element_count"].value == 2
+    send(topic, _key(3), _change("u", 3, 50, name="touched"), t2 + 3_600_001)
+    send(topic, _key(9), _change("u", 9, 60), t2 + 7_200_000)  # closes hour 3
+    fourth_key = (HOUR + timedelta(hours=3)).strftime("%Y-%m-%d-%H:%M")
+    fourth = hour(spec, fourth_key)[1]["primary_key_unique"]
+    assert not fourth.passed
+    assert fourth.metadata["unexpected_count"].value == 2
