@@ -66,7 +66,14 @@ public class ConditionalPutLogStore extends S3SingleDriverLogStore {
         putIfAbsent(fs, resolved, body);
         return;
       } catch (RemoteFileChangedException e) {
-        // 412 Precondition Failed: another writer created this version first.
+        // 412 Precondition Failed: the version exists. Ours, when S3A sent the PUT again after
+        // its first answer was lost (the first one created it): then this commit is done.
+        if (holds(fs, resolved, body)) {
+          LOG.info("{} already holds this commit (a retried PUT whose first answer was lost)",
+              resolved);
+          return;
+        }
+        // Another writer created this version first.
         LOG.info("{} was committed by another writer first; Delta retries on the next version",
             resolved);
         throw (java.nio.file.FileAlreadyExistsException)
@@ -87,6 +94,24 @@ public class ConditionalPutLogStore extends S3SingleDriverLogStore {
         }
       }
     }
+  }
+
+  /** Whether the file at {@code path} holds exactly {@code body}: a commit's actions carry its
+   * own commitInfo (timestamp, operation, metrics), so another writer's commit never does. */
+  private static boolean holds(FileSystem fs, Path path, ByteArrayOutputStream body)
+      throws IOException {
+    byte[] expected = body.toByteArray();
+    ByteArrayOutputStream found = new ByteArrayOutputStream(expected.length);
+    try (java.io.InputStream in = fs.open(path)) {
+      byte[] buffer = new byte[8192];
+      for (int n; (n = in.read(buffer)) > 0; ) {
+        found.write(buffer, 0, n);
+        if (found.size() > expected.length) {
+          return false;
+        }
+      }
+    }
+    return java.util.Arrays.equals(expected, found.toByteArray());
   }
 
   private static void putIfAbsent(FileSystem fs, Path path, ByteArrayOutputStream body)
