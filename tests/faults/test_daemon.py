@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -200,6 +201,13 @@ def deployment(broker: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             # The daemon loads the pausing run coordinator from this checkout.
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
         }
+    )
+    # As docs/deploy.md says a deployment does: the pool exists before any run is queued.
+    subprocess.run(
+        [str(REPO / ".venv/bin/dagster"), "instance", "concurrency", "set", MIRRORS_POOL, "1"],
+        env=env,
+        check=True,
+        capture_output=True,
     )
     instance = dg.DagsterInstance.from_config(str(home))
     deployment = Deployment(
