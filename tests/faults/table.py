@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from kafka import KafkaProducer
 
 from cdc_assets.config import TableSpec
+from cdc_assets.hour_run import run_hour
 from demo.reference import replay
 from tests.support import accounts_spec, read_records
 
@@ -209,3 +210,15 @@ def reference_of(
 
 def hours_of(changes: Sequence[Change]) -> list[int]:
     return sorted({c.hour for c in changes})
+
+
+def runner(spark, kafka, lake, spec_: TableSpec):
+    """run(hour, **options): materializes hour number `hour` of `spec_` into `lake` through the
+    real pipeline (`run_hour`), with any of its options (`now`, `local_read_max_records`)."""
+
+    def run(hour: int, **options):
+        return run_hour(
+            spark=spark, kafka=kafka, lake=lake, spec=spec_, hour_key=hour_key(hour), **options
+        )
+
+    return run

@@ -18,7 +18,6 @@ import boto3
 import pytest
 from dagster_aws.s3 import S3Resource
 
-from cdc_assets.hour_run import run_hour
 from resources.lake import LakeResource, LakeWriteError
 from tests.conftest import S3_KEY_ENV, S3_SECRET_ENV
 from tests.faults import table
@@ -70,10 +69,7 @@ def test_the_lake_disk_full_during_a_merge(broker, kafka, spark, create_topic, s
     spec = table.spec(create_topic("faults-disk", partitions=2))
     lake = LakeResource(root=str(small_disk / "lake"))
 
-    def run(hour: int):
-        return run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=table.hour_key(hour)
-        )
+    run = table.runner(spark, kafka, lake, spec)
 
     # Values that don't compress, so the hour's files need far more than the space left.
     noise = lambda n: os.urandom(600).hex()  # noqa: E731
@@ -149,10 +145,7 @@ def test_s3_answering_503_slowdown(broker, kafka, spark, create_topic, s3):
             ),
         )
 
-        def run(hour: int):
-            return run_hour(
-                spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=table.hour_key(hour)
-            )
+        run = table.runner(spark, kafka, lake, spec)
 
         run(0)
         run(1)

@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewPartitions
 
 from cdc_assets.config import CheckPolicy
-from cdc_assets.hour_run import hour_start, run_hour
+from cdc_assets.hour_run import hour_start
 from cdc_assets.slicing import OpenHourError
 from checks.invariants import accounting_result, continuity_result
 from tests.faults import table
@@ -41,10 +41,7 @@ def test_partitions_added_between_two_hours_are_read_from_their_first_offset(
     keep their order by the source's sequence, not by partition."""
     spec = table.spec(create_topic("faults-grown", partitions=1))
 
-    def run(hour: int):
-        return run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=table.hour_key(hour)
-        )
+    run = table.runner(spark, kafka, lake, spec)
 
     table.send_all(
         broker,
@@ -125,15 +122,10 @@ def test_a_producer_clock_ahead_of_the_broker_then_set_back(
     table.send_all(broker, spec.topic, log)
     table.close_hours(broker, spec.topic, 2, after_hour=2)
 
+    at_wall = table.runner(spark, kafka, lake, spec)
+
     def run(hour: int, wall_minute: float):
-        return run_hour(
-            spark=spark,
-            kafka=kafka,
-            lake=lake,
-            spec=spec,
-            hour_key=table.hour_key(hour),
-            now=base + timedelta(minutes=wall_minute),
-        )
+        return at_wall(hour, now=base + timedelta(minutes=wall_minute))
 
     # Wall 1:50: hour 1 has not ended by the wall clock, though every partition moved past it.
     with pytest.raises(OpenHourError, match="after now"):
