@@ -64,6 +64,15 @@ def _typed_columns(frame_row: str):
     return out
 
 
+def _event_log(job: dict) -> dict[str, str]:
+    """A profiled run's Spark event log, beside its result (`benchmarks.spark_profile`)."""
+    if not job.get("profile"):
+        return {}
+    folder = Path(job["result"]).with_suffix(".events")
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"spark.eventLog.enabled": "true", "spark.eventLog.dir": str(folder)}
+
+
 def _plain_session(job: dict, *, shuffle_partitions: int | None):
     """A Spark session with the project's jars, as a user's script would build one."""
     from pyspark.sql import SparkSession
@@ -72,6 +81,8 @@ def _plain_session(job: dict, *, shuffle_partitions: int | None):
 
     conf = SparkResource(driver_memory=SPARK_MEMORY).spark_config()
     builder = SparkSession.builder
+    for key, value in _event_log(job).items():
+        builder = builder.config(key, value)
     for key in (
         "spark.master",
         "spark.jars",
@@ -254,7 +265,8 @@ def ours(job: dict, phases: dict) -> dict:
     from resources.spark import SparkResource
 
     spec = TableSpec.model_validate(job["spec"])
-    spark = SparkResource(driver_memory=SPARK_MEMORY)  # started by the run, as in production
+    # Started by the run, as in production.
+    spark = SparkResource(driver_memory=SPARK_MEMORY, extra_conf=_event_log(job))
     hours = job["hours"]
     tags = {}
     if len(hours) > 1:  # one run over the range, as a backfill launches it
@@ -310,6 +322,13 @@ def main(path: str) -> int:
         with Path(job["result"]).with_suffix(".profile.txt").open("w") as out:
             stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
             stats.print_stats(r"cdc_assets|checks|resources|delta|great_expectations", 60)
+        events = Path(job["result"]).with_suffix(".events")
+        if events.is_dir():
+            from benchmarks.spark_profile import summary
+
+            logs = sorted(events.glob("*"))
+            text = "\n\n".join(summary(log) for log in logs)
+            Path(job["result"]).with_suffix(".spark.txt").write_text(text + "\n")
     else:
         outcome = VARIANTS[job["variant"]](job, phases)
     phases["total"] = time.monotonic() - T0
