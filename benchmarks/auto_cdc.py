@@ -230,6 +230,32 @@ def define_graph(spark, *, start_table: str | None, kafka: dict | None) -> Calla
     return define
 
 
+def probe(spark, work: Path) -> None:
+    """A one-row AUTO CDC flow into a Delta table of its own: raises AutoCdcCannotRun at once
+    when the target is refused. (A run starts AUTO CDC after the flows it reads from, so the
+    setup run would append every starting row before the refusal.)"""
+    from pyspark import pipelines as dp
+
+    source = work / "probe-source"
+    spark.range(1).selectExpr("id", "1L AS seq").write.format("delta").save(str(source))
+
+    def define() -> None:
+        @dp.temporary_view(name="probe_changes")
+        def probe_changes():
+            return spark.readStream.format("delta").load(str(source))
+
+        dp.create_streaming_table("probe_target", format="delta")
+        dp.create_auto_cdc_flow(
+            target="probe_target",
+            source="probe_changes",
+            keys=["id"],
+            sequence_by="seq",
+            stored_as_scd_type=1,
+        )
+
+    run_pipeline(spark, work / "probe-storage", define)
+
+
 def _delta_version(table: Path) -> int:
     return max((int(p.stem) for p in (table / "_delta_log").glob("*.json")), default=-1)
 
@@ -238,7 +264,7 @@ def _delta_version(table: Path) -> int:
 
 
 def bench_variant(job: dict, phases: dict, t0: float) -> dict:
-    """The `auto-cdc` variant: the setup run (the starting rows), then the hour's run.
+    """The `auto-cdc` variant: a probe, the setup run (the starting rows), the hour's run.
     `{"cannot_run": error}` when the flow cannot start on its target (here: always)."""
     from kafka import KafkaConsumer, TopicPartition
 
@@ -254,6 +280,12 @@ def bench_variant(job: dict, phases: dict, t0: float) -> dict:
         raise RuntimeError(f"the topic holds more than the slice: ends {ends}, {job['slice']}")
     with connect_session(work, f"bench-{job['variant']}") as spark:
         phases["session"] = time.monotonic() - t0
+        try:
+            probe(spark, work)
+        except AutoCdcCannotRun as error:
+            phases["probe"] = time.monotonic() - t0
+            return {"cannot_run": str(error), "failed_in": "probe"}
+        phases["probe"] = time.monotonic() - t0
         try:
             run_pipeline(
                 spark, work / "storage", define_graph(spark, start_table=job["start"], kafka=None)
