@@ -14,7 +14,7 @@ COLUMNS = (
     ("files +", 7),
     ("MB +", 7),
     ("touched", 7),
-    ("result", 6),
+    ("result", 10),
 )
 
 
@@ -108,7 +108,9 @@ def rows(results: dict) -> list[list[str]]:
                     str(run["files_written"]),
                     f"{run['bytes_written'] / 1e6:.0f}",
                     str(run["files_touched"]),
-                    "ok" if ok else ("FAIL" if ok is False else "-"),
+                    "cannot run"
+                    if run.get("cannot_run")
+                    else ("ok" if ok else ("FAIL" if ok is False else "-")),
                 ]
             )
     return out

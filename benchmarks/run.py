@@ -1,5 +1,6 @@
-"""The ingest benchmark: floor, ours, naive and delta-rs on identical Kafka slices, and a 24-hour
-backfill as one run versus 24 runs. `scripts/bench.sh` runs it; `--help` lists the knobs.
+"""The ingest benchmark: floor, ours, naive, delta-rs and auto-cdc on identical Kafka slices,
+and a 24-hour backfill as one run versus 24 runs. `scripts/bench.sh` runs it; `--help` lists the
+knobs.
 
 For each case (key layout, events in the hour, starting rows, topic partitions) it produces the
 events into a topic of their own, builds the starting tables directly with Spark once per size,
@@ -46,7 +47,7 @@ from devtools.processes import port_free
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 HOUR_FORMAT = "%Y-%m-%d-%H:%M"
-VARIANTS = ("floor", "ours", "naive", "delta-rs")
+VARIANTS = ("floor", "ours", "naive", "delta-rs", "auto-cdc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,15 +356,19 @@ def run_case(
         ]
     measured, tables = [], {}
     for label, variant, run_hours, run_dir, fresh in runs:
-        kind = {"ours": "mirror", "ours-empty": "mirror", "floor": "parquet"}.get(variant, "delta")
-        table = {"mirror": run_dir / "lake" / TABLE, "parquet": run_dir / "appended"}.get(
-            kind, run_dir / TABLE
-        )
+        kinds = {"ours": "mirror", "ours-empty": "mirror", "floor": "parquet", "auto-cdc": "sdp"}
+        kind = kinds.get(variant, "delta")
+        table = {
+            "mirror": run_dir / "lake" / TABLE,
+            "parquet": run_dir / "appended",
+            # The pipeline's managed table (the variant's warehouse), made by its setup run.
+            "sdp": run_dir / "warehouse" / TABLE,
+        }.get(kind, run_dir / TABLE)
         if fresh:
             run_dir.mkdir()
-            if kind != "parquet":
+            if kind in ("mirror", "delta"):
                 shutil.copytree(starts["mirror" if kind == "mirror" else "plain"], table)
-        before = delta_version(table) if kind != "parquet" else -1
+        before = delta_version(table) if kind in ("mirror", "delta") else -1
         tag = run_hours[0][-5:-3]
         job = {
             **common,
@@ -371,6 +376,7 @@ def run_case(
             "hours": run_hours,
             "table": str(table),
             "lake_root": str(run_dir / "lake"),
+            "start": str(starts["plain"]),  # auto-cdc reads it as its starting rows
             "result": str(run_dir / f"result-{tag}.json"),
             "profile": profile,
         }
@@ -379,10 +385,15 @@ def run_case(
             run_dir / f"job-{tag}.json", job, ["benchmarks.variants"], run_dir / f"run-{tag}.log"
         )
         inside = json.loads(Path(job["result"]).read_text())
-        files = parquet_files(table) if kind == "parquet" else delta_files(table, before)
+        if inside.get("cannot_run"):  # auto-cdc: the flow refused its target; nothing written
+            files = {"files_written": 0, "bytes_written": 0, "files_touched": 0, "dvs": 0}
+        elif kind == "parquet":
+            files = parquet_files(table)
+        else:  # auto-cdc: what the hour's run added, after the setup run's commits
+            files = delta_files(table, inside.get("setup_version", before))
         measured.append({"variant": label, "hours": len(run_hours), **outside, **inside, **files})
-        if variant != "ours-empty":  # its table is the starting one
-            tables[label] = (kind, str(table))
+        if variant != "ours-empty" and not inside.get("cannot_run"):  # ours-empty: the start
+            tables[label] = ("delta" if kind == "sdp" else kind, str(table))
     rows = _merge_series(measured)
     verdicts = {}
     if tables:
@@ -400,7 +411,7 @@ def run_case(
         )
     for row in rows:
         row.update(verdicts.get(row["variant"], {}))
-        empty = row["variant"] == "ours-empty"
+        empty = row["variant"] == "ours-empty" or row.get("cannot_run")
         row["events_per_s"] = None if empty else round(events / row["wall_s"])
     return {
         "case": case.name,

@@ -7,6 +7,7 @@ tree) and reads what it wrote to the job's `result` file: phase times and counts
 - ours: the project's asset, materialized by Dagster (`dg.materialize`) as a run does.
 - naive: a fresh Spark session, window dedupe, MERGE on the key alone, default shuffle width.
 - delta-rs: kafka-python reads the slice into Arrow, dedupe in Arrow, delta-rs MERGE.
+- auto-cdc: Spark's own AUTO CDC (Spark Declarative Pipelines), `benchmarks/auto_cdc.py`.
 """
 
 from __future__ import annotations
@@ -304,8 +305,21 @@ def ours(job: dict, phases: dict) -> dict:
     return {"consumed": consumed, "failed_checks": failed_checks}
 
 
+def auto_cdc(job: dict, phases: dict) -> dict:
+    from benchmarks.auto_cdc import bench_variant
+
+    return bench_variant(job, phases, T0)
+
+
 # ours-empty: an hour without events into the same table: the fixed cost of a run.
-VARIANTS = {"floor": floor, "ours": ours, "ours-empty": ours, "naive": naive, "delta-rs": delta_rs}
+VARIANTS = {
+    "floor": floor,
+    "ours": ours,
+    "ours-empty": ours,
+    "naive": naive,
+    "delta-rs": delta_rs,
+    "auto-cdc": auto_cdc,
+}
 
 
 def main(path: str) -> int:
