@@ -218,10 +218,15 @@ def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -
         batch_size=512 * 1024,
         max_request_size=8 * 1024 * 1024,
     )
+    # A topic that holds the case's events already (--reuse-events) is not produced again; the
+    # generator still runs, for the reference (it is seeded: the same events every time).
+    send = sum(end - start for start, end in topic_slice(bootstrap, topic).values()) == 0
     try:
         for h in range(case.hours):
             start_ms = int((first_hour + timedelta(hours=h)).timestamp() * 1000)
             for event in workload.hour(case.events, start_ms):
+                if not send:
+                    continue
                 producer.send(
                     topic,
                     key=event.kafka_key(),
@@ -238,7 +243,8 @@ def topic_slice(bootstrap: str, topic: str) -> dict[str, list[int]]:
     """The whole topic (it holds one case's hours): partition → [start, end)."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        partitions = consumer.partitions_for_topic(topic) or ()  # None: no such topic yet
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
         return {str(tp.partition): [starts[tp], ends[tp]] for tp in tps}
     finally:
@@ -265,7 +271,14 @@ def run(args: argparse.Namespace) -> dict:
     # The starting tables of earlier runs are kept (building 10M rows takes minutes); the
     # broker's data and the cases' folders are made anew.
     work.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(work / "kafka", ignore_errors=True)
+    first_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=30)
+    stamped = work / "kafka-first-hour"
+    if args.reuse_events and stamped.exists() and (work / "kafka").exists():
+        # The events an earlier run produced, stamped in its hours (profiling a change again).
+        first_hour = datetime.strptime(stamped.read_text().strip(), HOUR_FORMAT).replace(tzinfo=UTC)
+    else:
+        shutil.rmtree(work / "kafka", ignore_errors=True)
+        stamped.write_text(first_hour.strftime(HOUR_FORMAT))
     port = 19092
     while not (port_free(port) and port_free(port + 1)):
         port += 2
@@ -282,7 +295,6 @@ def run(args: argparse.Namespace) -> dict:
             else c
             for c in cases
         ]
-    first_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=30)
     results = {
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "profile": args.profile,
@@ -496,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", nargs="*", choices=[*VARIANTS, "ours-empty"], help="run only these"
     )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench"))
+    parser.add_argument(
+        "--reuse-events",
+        action="store_true",
+        help="keep the broker's data of the last run and its cases' events (to profile a change "
+        "again without producing them anew); its figures are as good as a fresh run's",
+    )
     parser.add_argument(
         "--profile-runs",
         action="store_true",
