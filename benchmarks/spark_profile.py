@@ -41,42 +41,49 @@ class Job:
         return ((self.end_ms or self.start_ms) - self.start_ms) / 1000
 
 
+def _events(path: Path):
+    """The log's events; Spark 4 writes an application's log as a folder of rolling files."""
+    files = sorted(path.glob("events_*")) if path.is_dir() else [path]
+    for file in files:
+        with file.open() as lines:
+            for line in lines:
+                yield json.loads(line)
+
+
 def read(path: Path) -> tuple[list[Query], list[Job], dict]:
     queries: dict[int, Query] = {}
     jobs: dict[int, Job] = {}
     app: dict = {}
-    with path.open() as lines:
-        for line in lines:
-            event = json.loads(line)
-            kind = event.get("Event", "")
-            if kind == "SparkListenerApplicationStart":
-                app["start_ms"] = event["Timestamp"]
-            elif kind == "SparkListenerApplicationEnd":
-                app["end_ms"] = event["Timestamp"]
-            elif kind.endswith("SparkListenerSQLExecutionStart"):
-                description = event.get("description") or ""
-                queries[event["executionId"]] = Query(
-                    event["executionId"], " ".join(description.split())[:110], event["time"]
-                )
-            elif kind.endswith("SparkListenerSQLExecutionEnd"):
-                if event["executionId"] in queries:
-                    queries[event["executionId"]].end_ms = event["time"]
-            elif kind == "SparkListenerJobStart":
-                properties = event.get("Properties") or {}
-                query = properties.get("spark.sql.execution.id")
-                stages = event.get("Stage Infos") or []
-                jobs[event["Job ID"]] = Job(
-                    event["Job ID"],
-                    event["Submission Time"],
-                    int(query) if query is not None else None,
-                    (properties.get("callSite.short") or "").split(" at ")[-1],
-                    tasks=sum(s.get("Number of Tasks", 0) for s in stages),
-                )
-                if query is not None and int(query) in queries:
-                    queries[int(query)].jobs.append(event["Job ID"])
-            elif kind == "SparkListenerJobEnd":
-                if event["Job ID"] in jobs:
-                    jobs[event["Job ID"]].end_ms = event["Completion Time"]
+    for event in _events(path):
+        kind = event.get("Event", "")
+        if kind == "SparkListenerApplicationStart":
+            app["start_ms"] = event["Timestamp"]
+        elif kind == "SparkListenerApplicationEnd":
+            app["end_ms"] = event["Timestamp"]
+        elif kind.endswith("SparkListenerSQLExecutionStart"):
+            description = event.get("description") or ""
+            queries[event["executionId"]] = Query(
+                event["executionId"], " ".join(description.split())[:110], event["time"]
+            )
+        elif kind.endswith("SparkListenerSQLExecutionEnd"):
+            if event["executionId"] in queries:
+                queries[event["executionId"]].end_ms = event["time"]
+        elif kind == "SparkListenerJobStart":
+            properties = event.get("Properties") or {}
+            query = properties.get("spark.sql.execution.id")
+            stages = event.get("Stage Infos") or []
+            jobs[event["Job ID"]] = Job(
+                event["Job ID"],
+                event["Submission Time"],
+                int(query) if query is not None else None,
+                (properties.get("callSite.short") or "").split(" at ")[-1],
+                tasks=sum(s.get("Number of Tasks", 0) for s in stages),
+            )
+            if query is not None and int(query) in queries:
+                queries[int(query)].jobs.append(event["Job ID"])
+        elif kind == "SparkListenerJobEnd":
+            if event["Job ID"] in jobs:
+                jobs[event["Job ID"]].end_ms = event["Completion Time"]
     return sorted(queries.values(), key=lambda q: q.start_ms), list(jobs.values()), app
 
 
@@ -108,6 +115,5 @@ def summary(path: Path) -> str:
 
 if __name__ == "__main__":
     for argument in sys.argv[1:]:
-        for log in sorted(Path(argument).glob("*")) if Path(argument).is_dir() else [argument]:
-            print(f"== {log}")
-            print(summary(Path(log)))
+        print(f"== {argument}")
+        print(summary(Path(argument)))

@@ -71,7 +71,11 @@ def _event_log(job: dict) -> dict[str, str]:
         return {}
     folder = Path(job["result"]).with_suffix(".events")
     folder.mkdir(parents=True, exist_ok=True)
-    return {"spark.eventLog.enabled": "true", "spark.eventLog.dir": str(folder)}
+    return {
+        "spark.eventLog.enabled": "true",
+        "spark.eventLog.dir": str(folder),
+        "spark.eventLog.compress": "false",
+    }
 
 
 def _plain_session(job: dict, *, shuffle_partitions: int | None):

@@ -284,6 +284,17 @@ class TableSpec(BaseModel):
             "(marked sensitive or not), named in schema_drift's withheld_columns."
         ),
     )
+    change_data_feed: bool | None = Field(
+        default=None,
+        description=(
+            "Delta's change data feed on the mirror (delta.enableChangeDataFeed), for readers "
+            "of each commit's changes with their before-images. It costs every MERGE a read "
+            "and a shuffle of every column of every row in the files its changes touch (without "
+            "it, of the key and sequence only), so turn it on for the tables whose feed is "
+            "read (the demo's order_facts reads its three mirrors'). Unset: off on a new mirror, "
+            "and an existing mirror keeps its setting; true or false: the next run sets it."
+        ),
+    )
     max_record_bytes: int = Field(
         default=8 * 1024 * 1024,
         ge=1,

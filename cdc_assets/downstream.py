@@ -91,10 +91,16 @@ def build_downstream_assets(specs: list[TableSpec]) -> list[dg.AssetsDefinition]
         for column in columns
         if column not in by_name[name].columns
     ]
+    problems += [
+        f"table '{name}' has change_data_feed {str(by_name[name].change_data_feed).lower()}"
+        " (the facts read each hour's changes from its change data feed: set it true)"
+        for name in UPSTREAM
+        if not by_name[name].change_data_feed
+    ]
     if problems:
         raise ValueError(
-            f"{ORDER_FACTS} reads the shop's mirrors, but {'; '.join(problems)}. Declare the "
-            "column in the tables file, or rename the table so the shop analytics are not built."
+            f"{ORDER_FACTS} reads the shop's mirrors, but {'; '.join(problems)}. Fix the "
+            "tables file, or rename the table so the shop analytics are not built."
         )
     shop = {name: by_name[name] for name in UPSTREAM}
     with warnings.catch_warnings():

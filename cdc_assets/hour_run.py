@@ -55,6 +55,7 @@ from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_
 from cdc_assets.tally import Tally, key_value
 from checks.expectations import (
     Audit,
+    KeyCounts,
     Outcome,
     audit_changes,
     audit_no_changes,
@@ -425,7 +426,7 @@ def _apply_hour(
         latest = keep(latest_per_key(good, spec))
         frames.append(latest)
         bounds = key_range(spec, tally)
-        with merge_source(spark, materialized=not local):
+        with merge_source(spark):
             outcome = merge_changes(
                 spark,
                 spec,
@@ -446,7 +447,12 @@ def _apply_hour(
         if toast.resolve_moves(spark, spec, path):
             version = current_version(spark, path, ledger)
         expectations = validate_batch(
-            spark, spec, path, version, latest.where(~F.col(DELETED)), key_range=bounds
+            spark,
+            spec,
+            path,
+            version,
+            latest.where(~F.col(DELETED)),
+            keys=KeyCounts(keys=outcome.prior.source_rows, duplicates=outcome.duplicate_rows),
         )
     finally:
         for frame in frames:
@@ -541,12 +547,13 @@ _MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 
 
 @contextmanager
-def merge_source(spark: SparkSession, *, materialized: bool) -> Iterator[None]:
-    """Whether Delta's MERGE materializes its source first (its default, "auto"), or reads it
-    twice as it is ("none": only for a source that is deterministic and not cached, as a small
-    hour's local relation is; it saves the MERGE a write and a read of the source)."""
+def merge_source(spark: SparkSession) -> Iterator[None]:
+    """The MERGE reads its source as it is, twice, instead of first writing a copy of it
+    (Delta's "auto" copies any source that is not a Delta table): the source is the hour's
+    newest change per key, a local relation or a cached frame, and deterministic (the slice's
+    offsets are fixed, the decoder a function of the records), so both reads see the same rows."""
     configured = spark.conf.get(_MATERIALIZE_SOURCE, "auto")
-    spark.conf.set(_MATERIALIZE_SOURCE, "auto" if materialized else "none")
+    spark.conf.set(_MATERIALIZE_SOURCE, "none")
     try:
         yield
     finally:

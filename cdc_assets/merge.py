@@ -40,6 +40,7 @@ from cdc_assets.decode import (
     OP,
     SEQUENCE,
     SOURCE_TS,
+    value_sequence,
 )
 from cdc_assets.ledger import DeltaLog
 from cdc_assets.sealing import check_error_table, error_table_schema
@@ -118,6 +119,27 @@ ERROR_TABLE_SCHEMA = T.StructType(
 
 
 @dataclass(frozen=True)
+class PriorRows:
+    """The mirror's rows for the hour's keys just before its MERGE, counted against the hour's
+    newest change per key (one Spark job over the key and sequence columns, `prior_rows`).
+
+    `inserted`, `updated` and `deleted` are live rows: a soft delete is an update to Delta and a
+    deleted row to the reader; a change older than the row's is none of them.
+    """
+
+    source_rows: int  # the hour's keys (the MERGE's source rows)
+    new_keys: int  # of them, keys the mirror has no row for: the MERGE must insert these
+    live_rows: int  # live rows of the mirror under the hour's keys
+    duplicate_live_rows: int  # of them, rows of a key with more than one live row
+    inserted: int
+    updated: int
+    deleted: int
+
+
+NO_PRIOR_ROWS = PriorRows(0, 0, 0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
 class MergeOutcome:
     version: int | None  # None: no commit was needed (every change was stale)
     merged_keys: int  # the MERGE's source rows: one newest change per key
@@ -127,6 +149,16 @@ class MergeOutcome:
     rows_deleted: int
     # Rows a truncate in the hour deleted (among `rows_deleted`, not `applied`).
     truncated: int = 0
+    # Rows the MERGE inserted (Delta's operation metrics), and what the mirror held before.
+    rows_added: int = 0
+    prior: PriorRows = NO_PRIOR_ROWS
+
+    @property
+    def duplicate_rows(self) -> int:
+        """Live rows sharing a primary key among the hour's keys once the MERGE committed: the
+        ones there before, and the rows the MERGE inserted for keys the mirror already had
+        (a row it should have matched: a lost race, a pruning bound that missed it)."""
+        return self.prior.duplicate_live_rows + max(0, self.rows_added - self.prior.new_keys)
 
 
 def mirror_columns(spec: TableSpec) -> list[str]:
@@ -167,20 +199,39 @@ def added_columns(schema: T.StructType | None, spec: TableSpec) -> dict[str, str
 def ensure_mirror_table(
     spark: SparkSession, path: str, changes: DataFrame, spec: TableSpec
 ) -> DeltaTable:
-    """Creates the mirror (change data feed on) the first time; new columns come via MERGE.
+    """Creates the mirror the first time (deletion vectors on; the change data feed as the
+    table's `change_data_feed` says); new columns come via MERGE.
 
     The columns of the toasted-value rule are added first if the table predates them,
-    because the MERGE reads them from the table.
+    because the MERGE reads them from the table; a `change_data_feed` set true or false is
+    applied to an existing mirror that differs.
     """
     schema = changes.schema
+    feed = bool(spec.change_data_feed)
     table = (
         DeltaTable.createIfNotExists(spark)
         .location(path)
         .addColumns(schema)
-        .property("delta.enableChangeDataFeed", "true")
+        .property(CHANGE_DATA_FEED, str(feed).lower())
         .property("delta.enableDeletionVectors", "true")
         .execute()
     )
+    quoted = path.replace("`", "``")
+    if spec.change_data_feed is not None and _table_property(spark, path, CHANGE_DATA_FEED) != (
+        str(feed).lower()
+    ):
+        log.info(
+            "table '%s': change_data_feed is %s in the tables file, so the mirror's %s is set "
+            "to %s",
+            spec.name,
+            str(feed).lower(),
+            CHANGE_DATA_FEED,
+            str(feed).lower(),
+        )
+        spark.sql(
+            f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
+            f"('{CHANGE_DATA_FEED}' = '{str(feed).lower()}')"
+        )
     stored = {f.name.lower() for f in table.toDF().schema}
     missing = [
         f"`{name}` {schema[name].dataType.simpleString()}"
@@ -188,9 +239,18 @@ def ensure_mirror_table(
         if name.lower() not in stored
     ]
     if missing:
-        quoted = path.replace("`", "``")
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
     return table
+
+
+CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
+
+
+def _table_property(spark: SparkSession, path: str, name: str) -> str:
+    """A Delta table property as its metadata holds it ("false" when unset); no Spark job."""
+    quoted = path.replace("`", "``")
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{quoted}`").collect()
+    return {row["key"]: row["value"] for row in rows}.get(name, "false").lower()
 
 
 def commit_metadata_text(metadata: dict) -> str:
@@ -265,16 +325,18 @@ def _merge_once(
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*mirror_columns(spec))
     table = ensure_mirror_table(spark, path, source, spec)
+    bounds = {} if truncate_before is not None else dict(key_range or {})
     on = F.expr(" AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key))
-    if truncate_before is None:  # a truncate's MERGE reads the whole table anyway
-        for key, (low, high) in (key_range or {}).items():
-            target = F.col(f"t.`{key}`")
-            on = on & (target >= F.lit(low)) & (target <= F.lit(high))
+    # A truncate's MERGE reads the whole table anyway.
+    for key, (low, high) in bounds.items():
+        target = F.col(f"t.`{key}`")
+        on = on & (target >= F.lit(low)) & (target <= F.lit(high))
     newer = f"s.`{SEQUENCE}` > t.`{SEQUENCE}`"
     inserted = {c: f"s.`{c}`" for c in mirror_columns(spec)}
     # Toasted values and moves follow their own rule, even from a change stale for the row (an
     # older hour run later fills a value in).
     filled, fill = toast.merge_sets(spec)
+    prior = prior_rows(spark, spec, path, latest, bounds, fill)
     everything = {**inserted, **filled}
     merge = table.alias("t").merge(source.alias("s"), on).withSchemaEvolution()
     if spec.delete_mode == "hard":
@@ -310,7 +372,7 @@ def _merge_once(
             # Every change was stale (or there was none): Delta committed nothing.
             # A metadata-only commit, so that this run's slice is on record too.
             _ledger_commit(spark, path)
-            return MergeOutcome(None, source.count(), 0, 0, 0, 0)
+            return MergeOutcome(None, prior.source_rows, 0, 0, 0, 0, prior=prior)
     # This run's commit, not one another writer made since (both carry the same metadata only
     # when they run the same hour, and then the later one commits nothing but the ledger).
     if ledger is not None:  # read from the log's files, no Spark job
@@ -326,7 +388,7 @@ def _merge_once(
             .first()
         )
         version, operation_metrics = commit["version"], dict(commit["operationMetrics"])
-    return _outcome(spark, spec, path, version, operation_metrics)
+    return _outcome(version, operation_metrics, prior)
 
 
 LEDGER_OPERATION = "SET TBLPROPERTIES"
@@ -369,32 +431,81 @@ def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
     )
 
 
-def _outcome(
-    spark: SparkSession, spec: TableSpec, path: str, version: int, metrics: Mapping[str, str]
-) -> MergeOutcome:
-    """What MERGE commit `version` did: the keys it took and the changes it applied from
-    Delta's own operation metrics; the live rows inserted, updated and deleted from its change
-    data feed (a soft delete is an update to Delta, a deleted row to the reader)."""
+def prior_rows(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    latest: DataFrame,
+    key_range: Mapping[str, tuple],
+    fill: Column,
+) -> PriorRows:
+    """The mirror's rows under the hour's keys, as the MERGE is about to find them, counted
+    against the hour's changes in one Spark job: the key, deleted flag and sequence of the
+    rows in the key range (and the toasted-value rule's columns), joined with the batch.
+
+    What the MERGE will do to each key follows from the CDC rule (`_merge_once`): a change is
+    applied when its key has no row or its sequence is newer than the row's; a stale change
+    still fills a TOASTed value (`fill`). A row per key is expected; duplicates are counted.
+    """
+    keys = list(spec.primary_key)
+    toasted = (
+        []
+        if not spec.toasted_columns
+        else [toast.MOVED_AT, *map(value_sequence, spec.toasted_columns)]
+    )
+    target = spark.read.format("delta").load(path)
+    for key, (low, high) in key_range.items():
+        target = target.where(F.col(key).between(F.lit(low), F.lit(high)))
+    rows = target.select(*keys, DELETED, SEQUENCE, *toasted).join(
+        latest.select(*keys), on=keys, how="left_semi"
+    )
+    per_key = rows.groupBy(*keys).agg(
+        F.count(F.lit(1)).alias("_rows"),
+        F.sum((~F.col(DELETED)).cast("int")).alias("_live"),
+        # The newest row of the key (there is one, unless the mirror holds a duplicate).
+        F.max_by(F.struct(SEQUENCE, *toasted), F.col(SEQUENCE)).alias("t"),
+    )
+    source = latest.select(*keys, F.struct(*latest.columns).alias("s"))
+    joined = source.join(per_key, on=keys, how="left")
+    existed = F.col("_rows").isNotNull()
+    was_live = F.coalesce(F.col("_live"), F.lit(0)) > 0
+    deleting = F.col(f"s.`{DELETED}`")
+    applies = ~existed | (F.col(f"s.`{SEQUENCE}`") > F.col(f"t.`{SEQUENCE}`"))
+    filling = existed & ~applies & fill
+    if spec.delete_mode == "hard":
+        # A delete removes the row it matches; one of a key the mirror lacks inserts nothing.
+        gone = applies & deleting & existed
+        added_keys = ~existed & ~deleting
+    else:
+        gone = applies & deleting & (was_live | ~existed)
+        added_keys = ~existed
+
+    def total(condition: Column, name: str) -> Column:
+        return F.sum(condition.cast("int")).alias(name)
+
+    counted = joined.agg(
+        F.count(F.lit(1)).alias("source_rows"),
+        total(added_keys, "new_keys"),
+        F.sum(F.coalesce(F.col("_live"), F.lit(0))).alias("live_rows"),
+        F.sum(F.when(F.col("_live") > 1, F.col("_live"))).alias("duplicate_live_rows"),
+        total(applies & ~deleting & ~was_live, "inserted"),
+        total((applies & ~deleting & was_live) | (filling & was_live), "updated"),
+        total(gone, "deleted"),
+    ).first()
+    return PriorRows(**{name: int(counted[name] or 0) for name in counted.asDict()})
+
+
+def _outcome(version: int, metrics: Mapping[str, str], prior: PriorRows) -> MergeOutcome:
+    """What MERGE commit `version` did: the keys it took, the changes it applied and the rows
+    it inserted from Delta's own operation metrics; the live rows inserted, updated and deleted
+    from the rows it found (`prior_rows`), plus those a truncate in the hour deleted."""
 
     def metric(name: str) -> int:
         return int(metrics.get(name) or 0)
 
-    feed = change_feed(spark, path, version)
-    change = F.col("_change_type")
-    per_key = feed.groupBy(*spec.primary_key).agg(
-        F.max(F.when(change == "update_preimage", F.col(DELETED))).alias("was_deleted"),
-        F.max(F.when(change.isin("insert", "update_postimage"), F.col(DELETED))).alias("is_del"),
-        F.max((change == "delete").cast("int")).alias("removed"),
+    truncated = metric("numTargetRowsNotMatchedBySourceUpdated") + metric(
+        "numTargetRowsNotMatchedBySourceDeleted"
     )
-    existed = F.col("was_deleted").isNotNull()
-    was_live = existed & ~F.col("was_deleted")
-    totals = per_key.agg(
-        F.sum((~F.col("is_del") & ~was_live).cast("int")).alias("inserted"),
-        F.sum((~F.col("is_del") & was_live).cast("int")).alias("updated"),
-        F.sum(
-            ((F.col("is_del") & (was_live | ~existed)) | (F.col("removed") == 1)).cast("int")
-        ).alias("deleted"),
-    ).first()
     return MergeOutcome(
         version=version,
         merged_keys=metric("numSourceRows"),
@@ -402,12 +513,13 @@ def _outcome(
         applied=metric("numTargetRowsInserted")
         + metric("numTargetRowsMatchedUpdated")
         + metric("numTargetRowsMatchedDeleted"),
-        rows_inserted=totals["inserted"] or 0,
-        rows_updated=totals["updated"] or 0,
-        rows_deleted=totals["deleted"] or 0,
+        rows_inserted=prior.inserted,
+        rows_updated=prior.updated,
+        rows_deleted=prior.deleted + truncated,
         # Rows older than a truncate in the hour, which no change of it replaced.
-        truncated=metric("numTargetRowsNotMatchedBySourceUpdated")
-        + metric("numTargetRowsNotMatchedBySourceDeleted"),
+        truncated=truncated,
+        rows_added=metric("numTargetRowsInserted"),
+        prior=prior,
     )
 
 

@@ -387,18 +387,27 @@ def validate_nothing(spec: TableSpec) -> list[Outcome]:
     ]
 
 
+@dataclass(frozen=True)
+class KeyCounts:
+    """The primary key's uniqueness among the mirror's live rows under the hour's keys, as the
+    run counted it (`merge.MergeOutcome.duplicate_rows`): the rows the mirror held for them
+    before the MERGE, and the rows the MERGE inserted for keys that already had one."""
+
+    keys: int
+    duplicates: int
+
+
 def validate_batch(
     spark: SparkSession,
     spec: TableSpec,
     path: str,
     version: int | None,
     rows: DataFrame,
-    key_range: dict[str, tuple] | None = None,
+    keys: KeyCounts | None = None,
 ) -> list[Outcome]:
     """Runs the table's non-hard expectations on `rows`, the hour's newest change per key
     (deletes excepted), and `unique` among the mirror's live rows at `version` (None: the
-    mirror does not exist); `key_range` bounds the primary key's (see `merge_changes`)."""
-    key_range = key_range or {}
+    mirror does not exist); the primary key's from `keys`."""
     expectations = [e for e in table_expectations(spec) if not e.hard]
     outcomes: dict[str, Outcome] = {}
     per_row = [e for e in expectations if e.kind != "unique"]
@@ -414,44 +423,26 @@ def validate_batch(
             outcomes[e.name] = _summarize(e, mine)
     for e in (e for e in expectations if e.kind == "unique"):
         if e.name == PK_UNIQUE:
-            outcomes[e.name] = _key_unique_among_live_rows(spark, e, path, version, rows, key_range)
+            outcomes[e.name] = _key_unique(e, keys or KeyCounts(0, 0))
         else:
             outcomes[e.name] = _unique_among_live_rows(spark, e, path, version, rows)
     return [outcomes[e.name] for e in expectations]
 
 
-def _key_unique_among_live_rows(
-    spark: SparkSession,
-    e: Expectation,
-    path: str,
-    version: int | None,
-    rows: DataFrame,
-    key_range: dict[str, tuple],
-) -> Outcome:
-    """The primary key's uniqueness among the live rows that share a key with the hour's rows,
-    in one Spark aggregation over the mirror's files in the hour's key range (no
-    great-expectations round of jobs: every table-hour pays it). A repeat is a row the MERGE
-    should have matched: a lost race with another writer, or a pruning bound that missed it."""
-    keys = list(e.columns)
-    if version is None:
-        return Outcome(e, True, counts={"element_count": 0, "unexpected_count": 0},
-                       evaluated_by=_KEY_QUERY)  # fmt: skip
-    live = spark.read.format("delta").load(path).where(~F.col(DELETED))
-    for key, (low, high) in key_range.items():
-        live = live.where(F.col(key).between(F.lit(low), F.lit(high)))
-    per_key = live.select(*keys).join(rows.select(*keys), on=keys, how="left_semi")
-    counted = per_key.groupBy(*keys).count()
-    totals = counted.agg(
-        F.sum("count").alias("rows"), F.sum(F.when(F.col("count") > 1, F.col("count")))
-    ).first()
-    element_count, unexpected = int(totals[0] or 0), int(totals[1] or 0)
-    counts = {"element_count": element_count, "unexpected_count": unexpected}
-    if element_count:
-        counts["unexpected_percent"] = round(100.0 * unexpected / element_count, 4)
-    return Outcome(e, unexpected == 0, counts=counts, evaluated_by=_KEY_QUERY)
+def _key_unique(e: Expectation, keys: KeyCounts) -> Outcome:
+    """The primary key's uniqueness among the live rows under the hour's keys (`KeyCounts`):
+    counted by the run before its MERGE and from the MERGE's own metrics, so every table-hour
+    pays no read of the mirror for it. A repeat is a row the MERGE should have matched."""
+    counts = {"element_count": keys.keys, "unexpected_count": keys.duplicates}
+    if keys.keys:
+        counts["unexpected_percent"] = round(100.0 * keys.duplicates / keys.keys, 4)
+    return Outcome(e, keys.duplicates == 0, counts=counts, evaluated_by=_KEY_QUERY)
 
 
-_KEY_QUERY = "live rows per primary key in the hour's key range (Spark aggregation)"
+_KEY_QUERY = (
+    "the mirror's live rows per primary key of the hour before its MERGE (Spark aggregation), "
+    "and the rows the MERGE inserted against the keys it had none for (Delta's metrics)"
+)
 
 
 def _unique_among_live_rows(
