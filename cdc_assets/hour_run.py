@@ -426,7 +426,7 @@ def _apply_hour(
         latest = keep(latest_per_key(good, spec))
         frames.append(latest)
         bounds = key_range(spec, tally)
-        with merge_source(spark):
+        with merge_source(spark, materialized=not local):
             outcome = merge_changes(
                 spark,
                 spec,
@@ -547,13 +547,14 @@ _MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 
 
 @contextmanager
-def merge_source(spark: SparkSession) -> Iterator[None]:
-    """The MERGE reads its source as it is, twice, instead of first writing a copy of it
-    (Delta's "auto" copies any source that is not a Delta table): the source is the hour's
-    newest change per key, a local relation or a cached frame, and deterministic (the slice's
-    offsets are fixed, the decoder a function of the records), so both reads see the same rows."""
+def merge_source(spark: SparkSession, *, materialized: bool) -> Iterator[None]:
+    """Whether Delta's MERGE materializes its source first (its default, "auto"), or reads it
+    twice as it is ("none": only for a source that is deterministic and not cached, as a small
+    hour's local relation is; it saves the MERGE a write and a read of the source). A cached
+    source must be materialized: Delta refuses to read a cached plan twice
+    (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION); copying it from the cache costs little."""
     configured = spark.conf.get(_MATERIALIZE_SOURCE, "auto")
-    spark.conf.set(_MATERIALIZE_SOURCE, "none")
+    spark.conf.set(_MATERIALIZE_SOURCE, "auto" if materialized else "none")
     try:
         yield
     finally:
