@@ -66,6 +66,13 @@ class CommitConflictError(RuntimeError):
     """Another writer kept winning the commit race on a table."""
 
 
+DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
+
+
+class MirrorSettingError(RuntimeError):
+    """The mirror was created with another setting than the table's config now names."""
+
+
 def retry_on_conflict(
     write: Callable[[], T_], *, table: str, path: str, attempts: int = CONFLICT_ATTEMPTS
 ) -> T_:
@@ -178,9 +185,10 @@ def ensure_mirror_table(
         .location(path)
         .addColumns(schema)
         .property("delta.enableChangeDataFeed", "true")
-        .property("delta.enableDeletionVectors", "true")
+        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
         .execute()
     )
+    check_deletion_vectors(spark, path, spec)
     stored = {f.name.lower() for f in table.toDF().schema}
     missing = [
         f"`{name}` {schema[name].dataType.simpleString()}"
@@ -191,6 +199,41 @@ def ensure_mirror_table(
         quoted = path.replace("`", "``")
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
     return table
+
+
+def check_deletion_vectors(spark: SparkSession, path: str, spec: TableSpec) -> None:
+    """Refuses a mirror whose deletion-vector setting is not the table's `deletion_vectors`.
+
+    createIfNotExists sets properties only when it creates the table, so a changed setting
+    would otherwise be ignored without a word: a reader that needs a mirror without deletion
+    vectors would still meet them. Changing it is the operator's step (turning them off
+    rewrites every file that has one), so the run names the command instead of running it.
+    """
+    quoted = path.replace("`", "``")
+    rows = spark.sql(
+        f"SHOW TBLPROPERTIES delta.`{quoted}` ('{DELETION_VECTORS_PROPERTY}')"
+    ).collect()
+    # Delta's default is off: a table without the property has no deletion vectors.
+    stored = bool(rows) and str(rows[0]["value"]).strip().lower() == "true"
+    if stored == spec.deletion_vectors:
+        return
+    if spec.deletion_vectors:
+        change = f"SET TBLPROPERTIES ('{DELETION_VECTORS_PROPERTY}' = true)"
+        effect = "later MERGEs then write deletion vectors; readers need their support"
+    else:
+        change = "DROP FEATURE deletionVectors"
+        effect = (
+            "it rewrites the files that have deletion vectors, turns them off and lowers the "
+            "table's reader version, so readers without their support can read it"
+        )
+    raise MirrorSettingError(
+        f"table '{spec.name}': setting deletion_vectors is {str(spec.deletion_vectors).lower()}, "
+        f"but its mirror at {path} was created with {DELETION_VECTORS_PROPERTY}="
+        f"{str(stored).lower()}, and a mirror keeps the setting it was created with. Set "
+        f"deletion_vectors: {str(stored).lower()} again, or change the table once with Spark "
+        f"(no run writing it meanwhile): ALTER TABLE delta.`{quoted}` {change} ({effect}); "
+        "then run the hour again"
+    )
 
 
 def commit_metadata_text(metadata: dict) -> str:
