@@ -315,6 +315,17 @@ class TableSpec(BaseModel):
         default=False,
         description="Run hours whose offsets retention already deleted, reporting the loss.",
     )
+    deletion_vectors: bool = Field(
+        default=True,
+        description=(
+            "Whether the mirror's MERGEs mark replaced rows in deletion vectors (true) or "
+            "rewrite the files that held them (false). Readers that can't apply deletion "
+            "vectors (deltalake's to_pyarrow_dataset, engines on Delta reader version 1) need "
+            "false; it makes each MERGE rewrite every file it touches. Fixed when the mirror "
+            "is created: a run refuses a mirror whose stored setting differs and says how to "
+            "change it (docs/reading.md)."
+        ),
+    )
     group: str = "cdc_mirrors"
     description: str | None = None
     expectations: tuple[ExpectationSpec, ...] = ()
@@ -412,6 +423,18 @@ class TableSpec(BaseModel):
             raise ValueError(f"'{value}' is not an hour like '2026-11-20-00:00' (UTC)") from None
         if parsed.minute:
             raise ValueError(f"'{value}' must be on the hour")
+        return value
+
+    @field_validator("deletion_vectors", mode="before")
+    @classmethod
+    def _deletion_vectors(cls, value: Any) -> Any:
+        # Only YAML's true/false: pydantic would also take 'yes', 'off', 0 or 1 as booleans,
+        # and a quoted "false" that turned deletion vectors on would go unnoticed.
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{value!r} is not true or false; write deletion_vectors: false for readers "
+                "that can't apply deletion vectors, or leave it out (true)"
+            )
         return value
 
     @field_validator("sensitive")

@@ -17,6 +17,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
+from cdc_assets.merge import MirrorSettingError
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
 from checks.expectations import preload as preload_expectations
@@ -49,6 +50,7 @@ NOT_RETRIED: tuple[type[Exception], ...] = (
     MaskedMirrorError,
     ErrorTableSealingError,
     LakeConfigError,
+    MirrorSettingError,
 )
 
 

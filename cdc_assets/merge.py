@@ -67,6 +67,13 @@ class CommitConflictError(RuntimeError):
     """Another writer kept winning the commit race on a table."""
 
 
+DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
+
+
+class MirrorSettingError(RuntimeError):
+    """The mirror was created with another setting than the table's config now names."""
+
+
 def retry_on_conflict(
     write: Callable[[], T_], *, table: str, path: str, attempts: int = CONFLICT_ATTEMPTS
 ) -> T_:
@@ -213,11 +220,13 @@ def ensure_mirror_table(
         .location(path)
         .addColumns(schema)
         .property(CHANGE_DATA_FEED, str(feed).lower())
-        .property("delta.enableDeletionVectors", "true")
+        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
         .execute()
     )
     quoted = path.replace("`", "``")
-    if spec.change_data_feed is not None and _table_property(spark, path, CHANGE_DATA_FEED) != (
+    properties = table_properties(spark, path)
+    check_deletion_vectors(path, spec, properties)
+    if spec.change_data_feed is not None and properties.get(CHANGE_DATA_FEED, "false") != (
         str(feed).lower()
     ):
         log.info(
@@ -246,11 +255,43 @@ def ensure_mirror_table(
 CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
 
 
-def _table_property(spark: SparkSession, path: str, name: str) -> str:
-    """A Delta table property as its metadata holds it ("false" when unset); no Spark job."""
+def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
+    """A Delta table's properties as its metadata holds them (lowercased values); no job."""
     quoted = path.replace("`", "``")
     rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{quoted}`").collect()
-    return {row["key"]: row["value"] for row in rows}.get(name, "false").lower()
+    return {row["key"]: str(row["value"]).strip().lower() for row in rows}
+
+
+def check_deletion_vectors(path: str, spec: TableSpec, properties: Mapping[str, str]) -> None:
+    """Refuses a mirror whose deletion-vector setting is not the table's `deletion_vectors`.
+
+    createIfNotExists sets properties only when it creates the table, so a changed setting
+    would otherwise be ignored without a word: a reader that needs a mirror without deletion
+    vectors would still meet them. Changing it is the operator's step (turning them off
+    rewrites every file that has one), so the run names the command instead of running it.
+    """
+    quoted = path.replace("`", "``")
+    # Delta's default is off: a table without the property has no deletion vectors.
+    stored = properties.get(DELETION_VECTORS_PROPERTY, "false") == "true"
+    if stored == spec.deletion_vectors:
+        return
+    if spec.deletion_vectors:
+        change = f"SET TBLPROPERTIES ('{DELETION_VECTORS_PROPERTY}' = true)"
+        effect = "later MERGEs then write deletion vectors; readers need their support"
+    else:
+        change = "DROP FEATURE deletionVectors"
+        effect = (
+            "it rewrites the files that have deletion vectors, turns them off and lowers the "
+            "table's reader version, so readers without their support can read it"
+        )
+    raise MirrorSettingError(
+        f"table '{spec.name}': setting deletion_vectors is {str(spec.deletion_vectors).lower()}, "
+        f"but its mirror at {path} was created with {DELETION_VECTORS_PROPERTY}="
+        f"{str(stored).lower()}, and a mirror keeps the setting it was created with. Set "
+        f"deletion_vectors: {str(stored).lower()} again, or change the table once with Spark "
+        f"(no run writing it meanwhile): ALTER TABLE delta.`{quoted}` {change} ({effect}); "
+        "then run the hour again"
+    )
 
 
 def commit_metadata_text(metadata: dict) -> str:

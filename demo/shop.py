@@ -288,8 +288,16 @@ def topics() -> dict[str, str]:
     return {table: f"{TOPIC_PREFIX}.public.{table}" for table in TABLES}
 
 
-def up(bootstrap: str, *, hours: int, changes_per_hour: int, follow: bool = True) -> None:
-    """Starts the source, the worker and the connector, seeds missing hours, then follows."""
+def up(
+    bootstrap: str,
+    *,
+    hours: int,
+    changes_per_hour: int,
+    follow: bool = True,
+    tables_file: Path | None = None,
+) -> None:
+    """Starts the source, the worker and the connector, seeds missing hours, writes the demo's
+    tables file (`tables_file`, default TABLES_FILE), then follows."""
     password = secrets.token_urlsafe(18)
     source = _source_config()
     postgres.start(source, password)
@@ -345,9 +353,9 @@ def up(bootstrap: str, *, hours: int, changes_per_hour: int, follow: bool = True
         )
     kafka_connect.set_clock(worker, datetime.now(UTC))
     with connection.cursor() as cursor:
-        cursor.execute("SELECT min(hour) FROM demo_meta.seeded")
-        first = cursor.fetchone()[0]
-    write_tables_file(first or closed[-1])
+        cursor.execute("SELECT hour FROM demo_meta.seeded")
+        seeded = {row[0] for row in cursor.fetchall()}
+    write_tables_file(demo_first_hour(seeded, now), tables_file or TABLES_FILE)
     print(f"following: about {changes_per_hour} changes per table and hour", flush=True)
     if follow:
         _follow(shop, changes_per_hour)
@@ -356,7 +364,13 @@ def up(bootstrap: str, *, hours: int, changes_per_hour: int, follow: bool = True
 TABLES_FILE = STATE_DIR / "demo" / "tables.yaml"
 
 
-def write_tables_file(first_hour: datetime) -> Path:
+def demo_first_hour(seeded: set[datetime], now: datetime) -> datetime:
+    """The demo's first hour: its first seeded hour, which every restart keeps (the seeded
+    hours are in the shop's database), else the current hour (nothing seeded: `--hours 0`)."""
+    return min(seeded) if seeded else now.replace(minute=0, second=0, microsecond=0)
+
+
+def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
     """cdc_assets/tables.yaml with the demo's partitions starting where its data starts."""
     import yaml
 
@@ -365,12 +379,12 @@ def write_tables_file(first_hour: datetime) -> Path:
     raw = yaml.safe_load(DEFAULT_TABLES_FILE.read_text())
     for table in raw["tables"]:
         table["start_hour"] = first_hour.strftime("%Y-%m-%d-%H:%M")
-    TABLES_FILE.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         "# Written by demo/shop.py: cdc_assets/tables.yaml, starting at the demo's first hour.\n"
     )
-    TABLES_FILE.write_text(header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
-    return TABLES_FILE
+    path.write_text(header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
+    return path
 
 
 def _follow(shop: Shop, changes_per_hour: int) -> None:
@@ -404,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--hours", type=int, default=3)
     parser.add_argument("--changes-per-hour", type=int, default=200)
+    parser.add_argument(
+        "--tables-file", type=Path, default=TABLES_FILE, help="where to write the demo's tables"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "down":
@@ -414,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 hours=args.hours,
                 changes_per_hour=args.changes_per_hour,
                 follow=args.command == "up",
+                tables_file=args.tables_file,
             )
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

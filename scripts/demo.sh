@@ -98,7 +98,8 @@ else
   echo "demo: starting the shop's Postgres, Kafka Connect and Debezium (first start: seeding" \
     "$hours hours; log $shop_log)"
   nohup .venv/bin/python -m demo.shop up --bootstrap "$CDC_KAFKA_BOOTSTRAP_SERVERS" \
-    --hours "$hours" --changes-per-hour "$changes" < /dev/null >> "$shop_log" 2>&1 &
+    --hours "$hours" --changes-per-hour "$changes" --tables-file "$demo_dir/tables.yaml" \
+    < /dev/null >> "$shop_log" 2>&1 &
   pid=$!
   echo "$pid" > "$shop_pid_file"
   # Up once it says so; a source that cannot start makes it exit with the reason.

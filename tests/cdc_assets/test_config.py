@@ -98,6 +98,12 @@ def test_shipped_tables_file_loads():
             },
             "expectation 'email_regex' would judge the hash, not the value",
         ),
+        (
+            {"deletion_vectors": "false"},
+            "setting 'deletion_vectors': 'false' is not true or false; write deletion_vectors: "
+            "false for readers",
+        ),
+        ({"deletion_vectors": 0}, "setting 'deletion_vectors': 0 is not true or false"),
     ],
 )
 def test_each_bad_setting_is_named(overrides, expected):
@@ -192,3 +198,8 @@ def test_an_unset_key_variable_is_refused_at_launch(tmp_path, monkeypatch):
     monkeypatch.delenv(MASKING_KEY_ENV, raising=False)
     with pytest.raises(dg.DagsterInvalidConfigError, match=MASKING_KEY_ENV):
         _hashing_run(tmp_path, MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)))
+
+
+def test_deletion_vectors_are_on_unless_a_table_turns_them_off():
+    assert parse_tables({"tables": [_entry()]})[0].deletion_vectors is True
+    assert parse_tables({"tables": [_entry(deletion_vectors=False)]})[0].deletion_vectors is False

@@ -1,0 +1,37 @@
+"""The demo's tables file: its partitions start at the demo's first seeded hour, and stay there
+when the demo restarts (scripts/demo.sh points CDC_TABLES_FILE at it)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from cdc_assets.config import load_tables
+from demo.shop import demo_first_hour, write_tables_file
+
+HOUR = timedelta(hours=1)
+
+
+def test_the_first_hour_is_the_first_seeded_one_across_restarts():
+    first = datetime(2026, 11, 25, 18, tzinfo=UTC)
+    started = {first, first + HOUR, first + 2 * HOUR}
+    assert demo_first_hour(started, first + 3 * HOUR + timedelta(minutes=7)) == first
+    # Restarted a day later: the last closed hours are seeded too, the start stays put.
+    later = started | {first + 22 * HOUR, first + 23 * HOUR, first + 24 * HOUR}
+    assert demo_first_hour(later, first + 25 * HOUR) == first
+
+
+def test_nothing_seeded_starts_at_the_current_hour():
+    now = datetime(2026, 11, 25, 21, 43, 5, tzinfo=UTC)
+    assert demo_first_hour(set(), now) == datetime(2026, 11, 25, 21, tzinfo=UTC)
+
+
+def test_the_tables_file_is_the_packaged_one_starting_at_the_first_hour(tmp_path):
+    first = datetime(2026, 11, 25, 18, tzinfo=UTC)
+    path = write_tables_file(first, tmp_path / "demo" / "tables.yaml")
+    written = load_tables(path)
+    packaged = load_tables()
+    assert [s.name for s in written] == [s.name for s in packaged]
+    assert {s.start_hour for s in written} == {"2026-11-25-18:00"}
+    assert [s.model_copy(update={"start_hour": "x"}) for s in written] == [
+        s.model_copy(update={"start_hour": "x"}) for s in packaged
+    ]
