@@ -425,6 +425,8 @@ def _apply_hour(
         # The newest change per key: the MERGE's source and what the expectations judge.
         latest = keep(latest_per_key(good, spec))
         frames.append(latest)
+        if not local:
+            latest.count()  # fills the cache once: the queries below read it twice each
         bounds = key_range(spec, tally)
         with merge_source(spark, materialized=not local):
             outcome = merge_changes(

@@ -40,7 +40,7 @@ def read_slice(
     kafka_options: dict[str, str],
     hour_slice: HourSlice,
     *,
-    max_records_per_task: int = 200_000,
+    max_records_per_task: int = 100_000,
 ) -> DataFrame:
     """The records of `hour_slice`, read committed, failing if any offset in it is gone.
 
