@@ -544,7 +544,9 @@ def _decode(
     )
 
 
-_CACHED = StorageLevel.MEMORY_AND_DISK
+# A cached hour stays in memory as Spark's columnar batches, not serialized again (what
+# MEMORY_AND_DISK adds for a frame), and spills to disk when memory is short.
+_CACHED = StorageLevel.MEMORY_AND_DISK_DESER
 _MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 
 
