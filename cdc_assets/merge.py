@@ -379,7 +379,12 @@ def _merge_once(
     filled, fill = toast.merge_sets(spec)
     prior = prior_rows(spark, spec, path, latest, bounds, fill)
     everything = {**inserted, **filled}
-    merge = table.alias("t").merge(source.alias("s"), on).withSchemaEvolution()
+    merge = table.alias("t").merge(source.alias("s"), on)
+    stored = {f.name.lower() for f in table.toDF().schema}
+    if any(c.lower() not in stored for c in source.columns):
+        # A column the source gained (new_columns: add): the MERGE adds it to the mirror.
+        # Asked for only then: schema evolution costs every MERGE an analysis of its own.
+        merge = merge.withSchemaEvolution()
     if spec.delete_mode == "hard":
         merge = merge.whenMatchedDelete(condition=f"{newer} AND s.`{OP}` = 'd'")
     merge = merge.whenMatchedUpdate(condition=newer, set=everything)
@@ -506,7 +511,10 @@ def prior_rows(
         # The newest row of the key (there is one, unless the mirror holds a duplicate).
         F.max_by(F.struct(SEQUENCE, *toasted), F.col(SEQUENCE)).alias("t"),
     )
-    source = latest.select(*keys, F.struct(*latest.columns).alias("s"))
+    # What the rule reads of the hour's change: its deleted flag and sequence (and the toasted
+    # rule's columns), not the whole row.
+    read = [DELETED, SEQUENCE, *(c for c in toast.mirror_columns(spec) if c in latest.columns)]
+    source = latest.select(*keys, F.struct(*read).alias("s"))
     joined = source.join(per_key, on=keys, how="left")
     existed = F.col("_rows").isNotNull()
     was_live = F.coalesce(F.col("_live"), F.lit(0)) > 0
