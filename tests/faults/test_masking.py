@@ -65,6 +65,7 @@ def _spec(topic: str) -> TableSpec:
         },
         start_hour="2026-11-01-00:00",
         decimal_handling="string",  # the events below carry salaries as text
+        change_data_feed=True,  # the feed keeps before-images: no raw value may be there either
         sensitive={"email": "hash", "ssn": "drop", "salary": "hash", "seen_at": "hash"},
         expectations=(
             {"column": "email", "expect": "not_null", "hard": True},
