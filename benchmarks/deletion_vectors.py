@@ -48,7 +48,8 @@ def prepare(work: Path, rows: int, changes: int) -> None:
     from benchmarks.tables import ROWS_PER_FILE, build, session
     from benchmarks.workload import PRIMARY_KEY
     from cdc_assets.decode import DELETED, HOUR, KAFKA_OFFSET, KAFKA_PARTITION, OP, SEQUENCE
-    from cdc_assets.merge import ensure_mirror_table, mirror_columns
+    from cdc_assets.merge import ensure_mirror_table
+    from cdc_assets.rule import mirror_columns
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

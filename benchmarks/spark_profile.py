@@ -1,13 +1,15 @@
 """Where a profiled run's Spark time went: its event log, summarized per SQL query and job.
 
-`scripts/bench.sh --profile-runs` writes each Spark variant's event log beside its result;
-`python -m benchmarks.spark_profile LOG` prints, in order, every SQL query the run executed
-(its wall time and the Python line that started it) and the jobs outside any query, then the
-totals. A query's time includes its jobs' (a MERGE shows as one query of several jobs).
+`scripts/bench.sh --profile-runs` writes each Spark variant's event log beside its result, and
+this summary of it (`result-*.spark.txt`). `python -m benchmarks.spark_profile LOG` prints, in
+order, every SQL query the run executed (its wall time and the Python line that started it) and
+the jobs outside any query, then the totals. A query's time includes its jobs' (a MERGE shows as
+one query of several jobs).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -113,7 +115,14 @@ def summary(path: Path) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("logs", nargs="+", type=Path, help="event logs (files or Spark 4 folders)")
+    for log in parser.parse_args(argv).logs:
+        print(f"== {log}")
+        print(summary(log))
+    return 0
+
+
 if __name__ == "__main__":
-    for argument in sys.argv[1:]:
-        print(f"== {argument}")
-        print(summary(Path(argument)))
+    sys.exit(main())

@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from benchmarks.workload import COLUMNS, PRIMARY_KEY, START_COLUMNS, TABLE
+from cdc_assets.commits import commit_metadata
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
     DELETED,
@@ -36,8 +37,9 @@ from cdc_assets.decode import (
     decode,
 )
 from cdc_assets.hour_run import MIRROR_NEWEST
-from cdc_assets.merge import commit_metadata, ensure_mirror_table, mirror_columns
+from cdc_assets.merge import ensure_mirror_table
 from cdc_assets.read import KAFKA_SCHEMA
+from cdc_assets.rule import mirror_columns
 from resources.spark import SparkResource
 
 ROWS_PER_FILE = 250_000

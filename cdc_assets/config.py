@@ -252,9 +252,8 @@ class TableSpec(BaseModel):
     delete_mode: Literal["soft", "hard"] = Field(
         default="soft",
         description=(
-            "soft keeps a deleted row as a tombstone (_cdc_deleted = true) so an older change "
-            "replayed later cannot resurrect it; hard removes the row (convergence then relies "
-            "on hours being run in order)."
+            "soft (default): a delete keeps the row, _cdc_deleted = true; hard: it removes the "
+            "row. What each means for hours run out of order: the CDC rule, cdc_assets/rule.py."
         ),
     )
     on_truncate: Literal["fail", "apply"] = Field(

@@ -1,6 +1,7 @@
 """Debezium records → typed change rows; anything that can't be applied → an error reason.
 
-The CDC rules, stated once:
+What a record is, stated once (what the mirror then does with the changes is the CDC rule,
+`cdc_assets/rule.py`):
 
 - A record's value is a Debezium envelope, with or without the Kafka Connect `schema`/`payload`
   wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update), `d` (delete) or `t`
@@ -11,9 +12,10 @@ The CDC rules, stated once:
   key comes from `before`, or from the Kafka key when `before` lacks it (Postgres' default
   replica identity); its other `before` values are kept where they convert, null otherwise.
 - A null value is a Kafka tombstone (log compaction's marker after a delete): counted, skipped.
-- Changes of one key are ordered by the table's sequence (default `source.lsn`), then Kafka
-  partition and offset. Offsets alone can't order changes: a topic's partition count may change.
-  A `binlog` sequence field (MySQL's `source.file`) orders by the file's number, not its name.
+- Each change carries its sequence (the table's `sequence` fields, then Kafka partition and
+  offset), by which the CDC rule orders changes of one key (`cdc_assets/rule.py`: newest per
+  key, newer wins, deletes). A `binlog` sequence field (MySQL's `source.file`) is read as the
+  file's number, not its name.
 - A record is an error, kept with its raw bytes and the reason, when: its value is not JSON,
   it is larger than the table's `max_record_bytes`, `op` is missing or unknown, the primary key
   or a sequence field is missing, the Kafka key names another primary key than the row, a change

@@ -4,7 +4,7 @@
 (never the e-mail or name), and the sums of its live items. It is built incrementally:
 
 - Incremental by change feed. Every mirror run records its hour in the commit's userMetadata
-  (`merge.hour_history`), so the Delta versions that hour H's runs committed are known. Partition
+  (`commits.hour_history`), so the Delta versions that hour H's runs committed are known. Partition
   H of order_facts reads Delta's change data feed of exactly those versions of the three mirrors,
   nothing else (ledger commits of runs that changed nothing have an empty feed).
 - Recompute the affected keys. The changed keys give the affected orders: the orders that
@@ -34,10 +34,10 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets.commits import change_feed, commit_metadata, hour_history
 from cdc_assets.config import TableSpec, spark_type
 from cdc_assets.decode import DELETED
 from cdc_assets.factory import hourly_partitions
-from cdc_assets.merge import change_feed, commit_metadata, hour_history
 from resources.lake import LakeResource
 from resources.spark import SparkResource
 
@@ -263,7 +263,7 @@ def _live_rows(spark: SparkSession, path: str, spec: TableSpec, version: int | N
     columns = REQUIRED_COLUMNS[spec.name]
     if version is None:
         return spark.createDataFrame([], _ddl(spec, columns))
-    # merge.live_rows at a pinned version: every read of one run sees the same snapshot.
+    # commits.live_rows at a pinned version: every read of one run sees the same snapshot.
     mirror = spark.read.format("delta").option("versionAsOf", version).load(path)
     return mirror.where(~F.col(DELETED)).select(*columns)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import dagster as dg
 from pydantic import Field
 
+from cdc_assets import rule
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
@@ -105,9 +106,7 @@ def asset_description(spec: TableSpec) -> str:
     description = (
         f"{spec.description or f'Mirror of the source table behind {spec.topic}.'}\n\n"
         f"Delta mirror of Kafka topic `{spec.topic}` (Debezium change events), key "
-        f"{', '.join(spec.primary_key)}. Each hourly partition MERGEs that hour's slice of the "
-        "topic: newest change per key, applied only when newer than the stored row; deletes "
-        "are kept as rows with _cdc_deleted = true. Bad records go to "
+        f"{', '.join(spec.primary_key)}. {rule.describe(spec)} Bad records go to "
         f"`{spec.error_table_name}`."
     )
     if spec.sensitive:

@@ -19,6 +19,13 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import toast
+from cdc_assets.commits import (
+    current_version,
+    delta_log,
+    hour_history,
+    mirror_newest_ms,
+    record_run,
+)
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import (
     DELETED,
@@ -37,20 +44,11 @@ from cdc_assets.decode import (
     decode,
     decode_locally,
 )
+from cdc_assets.error_table import write_errors
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
-from cdc_assets.merge import (
-    added_columns,
-    current_version,
-    delta_log,
-    hour_history,
-    latest_per_key,
-    merge_changes,
-    mirror_newest_ms,
-    mirror_schema,
-    record_run,
-    write_errors,
-)
+from cdc_assets.merge import added_columns, merge_changes, mirror_schema
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
+from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
 from cdc_assets.tally import Tally, key_value
 from checks.expectations import (

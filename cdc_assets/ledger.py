@@ -1,7 +1,7 @@
 """A mirror's ledger: what each run recorded in its Delta commit, read without Spark.
 
 Every run commits to its mirror with the hour's slice and counts as the commit's
-`userMetadata` (`merge.commit_metadata`). Reading that back needs no Spark job: a Delta table's
+`userMetadata` (`commits.commit_metadata`). Reading that back needs no Spark job: a Delta table's
 log is a folder of JSON files, one per version, whose `commitInfo` action holds the metadata,
 the operation and its metrics. This reads those files directly (a local folder, or S3 through
 the lake's boto3 client), newest first, and keeps what it read, so a run that looks at the same

@@ -17,9 +17,9 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 from kafka import TopicPartition
 from pyspark.sql import SparkSession
 
+from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, recorded_offsets
-from cdc_assets.merge import hour_history
 from cdc_assets.toast import unknown_live_rows
 from checks.expectations import expectation_check_specs, table_expectations
 from checks.invariants import (

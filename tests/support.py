@@ -9,8 +9,8 @@ from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from cdc_assets.commits import live_rows
 from cdc_assets.config import TableSpec, load_tables, spark_type
-from cdc_assets.merge import live_rows
 from demo.produce import ProducedRecord, produce
 from demo.source import DemoSource, as_generated
 

@@ -11,10 +11,10 @@ import dagster as dg
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
+from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import SequenceConfigError, run_hour
-from cdc_assets.merge import hour_history
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from demo.reference import replay_with_errors

@@ -11,8 +11,8 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 
+from cdc_assets.commits import commit_metadata, spark_hour_history
 from cdc_assets.ledger import DeltaLog
-from cdc_assets.merge import commit_metadata, spark_hour_history
 
 
 def _run(n: int) -> dict:

@@ -16,6 +16,7 @@ from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import functions as F
 
+from cdc_assets.commits import change_feed
 from cdc_assets.hour_run import run_hour
 from cdc_assets.maintenance import (
     RETENTION_PROPERTY,
@@ -23,7 +24,6 @@ from cdc_assets.maintenance import (
     interval_hours,
     maintenance_asset_name,
 )
-from cdc_assets.merge import change_feed
 from resources.lake import LakeResource
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, seed_demo
 

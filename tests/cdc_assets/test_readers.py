@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable, QueryBuilder
 
+from cdc_assets.commits import live_rows
 from cdc_assets.factory import build_mirror_assets
-from cdc_assets.merge import live_rows
 from resources.lake import LakeResource
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, seed_demo
 

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pyspark.sql import types as T
 
-from cdc_assets.merge import ERROR_TABLE_SCHEMA
+from cdc_assets.error_table import ERROR_TABLE_SCHEMA
 from cdc_assets.sealing import (
     MASKING_FIELD,
     SEALED,

@@ -17,10 +17,10 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
+from cdc_assets.commits import hour_history
 from cdc_assets.config import CheckPolicy
 from cdc_assets.factory import build_retention_check_for, build_table_asset
 from cdc_assets.hour_run import TruncateError, hour_start, run_hour
-from cdc_assets.merge import hour_history
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from resources.lake import LakeResource

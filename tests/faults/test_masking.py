@@ -34,10 +34,10 @@ from pyspark.sql import types as T
 
 from cdc_assets.config import TableSpec
 from cdc_assets.error_replay import replay_errors
+from cdc_assets.error_table import ERROR_TABLE_SCHEMA
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
 from cdc_assets.masking import MASKING_FIELD, mask_changes, stored_spec
-from cdc_assets.merge import ERROR_TABLE_SCHEMA
 from cdc_assets.sealing import ErrorTableSealingError, sealing_key, unsealed_errors
 from demo.reference import replay
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource

@@ -7,14 +7,14 @@ import pytest
 from delta.exceptions import ConcurrentAppendException
 from pydantic import ValidationError
 
-from cdc_assets import merge
+from cdc_assets import commits
 from cdc_assets.config import TableSpec
 from cdc_assets.decode import SourceShape, added_column_types
 from cdc_assets.hour_run import truncate_watermark
 
 
 def test_a_lost_commit_race_is_retried_then_named(monkeypatch):
-    monkeypatch.setattr(merge.time, "sleep", lambda _: None)
+    monkeypatch.setattr(commits.time, "sleep", lambda _: None)
     calls = []
 
     def write():
@@ -23,21 +23,21 @@ def test_a_lost_commit_race_is_retried_then_named(monkeypatch):
             raise ConcurrentAppendException("another writer committed")
         return "done"
 
-    assert merge.retry_on_conflict(write, table="accounts", path="/lake/accounts") == "done"
+    assert commits.retry_on_conflict(write, table="accounts", path="/lake/accounts") == "done"
     assert len(calls) == 3
 
     def always():
         raise ConcurrentAppendException("again")
 
-    with pytest.raises(merge.CommitConflictError) as lost:
-        merge.retry_on_conflict(always, table="accounts", path="/lake/accounts", attempts=2)
+    with pytest.raises(commits.CommitConflictError) as lost:
+        commits.retry_on_conflict(always, table="accounts", path="/lake/accounts", attempts=2)
     assert "table 'accounts'" in str(lost.value) and "ConcurrentAppendException" in str(lost.value)
 
     def other():
         raise ValueError("not a conflict")
 
     with pytest.raises(ValueError):  # anything else is not retried
-        merge.retry_on_conflict(other, table="accounts", path="/lake/accounts")
+        commits.retry_on_conflict(other, table="accounts", path="/lake/accounts")
 
 
 def test_the_truncate_watermark_is_the_newest_truncate():

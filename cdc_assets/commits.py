@@ -1,0 +1,206 @@
+"""A mirror's Delta commits: each run's record in its commit, retried on conflicts, read back.
+
+Every run commits to its mirror with the hour's slice and counts as the commit's `userMetadata`
+(`commit_metadata`); a run that changed no row records itself in a metadata-only commit
+(`record_run`), so every hour's slice is in the log and the next hour starts where it ended.
+Atomicity (I4): the mirror changes in exactly one Delta commit per run. A commit that loses a
+race with another writer is retried (`retry_on_conflict`); every write is guarded (by sequence or
+by Kafka coordinates), so doing it again is safe. The log is read back without Spark where the
+lake allows (`cdc_assets.ledger`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from delta import exceptions as delta_errors
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.config import TableSpec
+from cdc_assets.decode import DELETED, SOURCE_TS
+from cdc_assets.ledger import DeltaLog
+
+log = logging.getLogger(__name__)
+
+
+T_ = TypeVar("T_")
+
+
+# A Delta commit that lost a race with another writer: nothing of it was committed, and every
+# write here is guarded (sequence or Kafka coordinates), so doing it again is safe.
+COMMIT_CONFLICTS = (
+    delta_errors.DeltaConcurrentModificationException,
+    delta_errors.ConcurrentWriteException,
+    delta_errors.MetadataChangedException,
+    delta_errors.ProtocolChangedException,
+    delta_errors.ConcurrentAppendException,
+    delta_errors.ConcurrentDeleteReadException,
+    delta_errors.ConcurrentDeleteDeleteException,
+    delta_errors.ConcurrentTransactionException,
+)
+
+
+CONFLICT_ATTEMPTS = 5
+
+
+class CommitConflictError(RuntimeError):
+    """Another writer kept winning the commit race on a table."""
+
+
+def retry_on_conflict(
+    write: Callable[[], T_], *, table: str, path: str, attempts: int = CONFLICT_ATTEMPTS
+) -> T_:
+    """Runs `write`, again after a Delta commit conflict, at most `attempts` times in all.
+
+    Each attempt re-reads the table, so the retry sees what the other writer committed; the
+    sequence guard keeps the result the same whichever writer wins.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return write()
+        except COMMIT_CONFLICTS as exc:
+            kind = type(exc).__name__
+            if attempt == attempts:
+                raise CommitConflictError(
+                    f"table '{table}': the commit to {path} lost {attempts} races in a row to "
+                    f"another writer (last: {kind}). One run per table writes at a time when runs "
+                    "go through the table's pool; look for a writer outside Dagster or a pool "
+                    "limit above 1."
+                ) from exc
+            pause = min(8.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random())
+            log.warning(
+                "table '%s': Delta commit conflict (%s), attempt %d of %d; retrying in %.1f s",
+                table,
+                kind,
+                attempt,
+                attempts,
+                pause,
+            )
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+COMMIT_METADATA_CONF = "spark.databricks.delta.commitInfo.userMetadata"
+
+
+def commit_metadata_text(metadata: dict) -> str:
+    return json.dumps(metadata, sort_keys=True)
+
+
+@contextmanager
+def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
+    """Attaches `metadata` to the Delta commits made inside the block."""
+    spark.conf.set(COMMIT_METADATA_CONF, commit_metadata_text(metadata))
+    try:
+        yield
+    finally:
+        spark.conf.unset(COMMIT_METADATA_CONF)
+
+
+LEDGER_OPERATION = "SET TBLPROPERTIES"
+
+
+def ledger_commit(spark: SparkSession, path: str) -> None:
+    """A commit that changes no data, carrying the session's commit metadata. The path is the
+    lake's own, quoted as an identifier (Spark allows no parameter here)."""
+    quoted = path.replace("`", "``")
+    spark.sql(
+        f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
+        "('cdc.ledger' = 'each run records its slice in the commit userMetadata')"
+    )
+
+
+def record_run(
+    spark: SparkSession, spec: TableSpec, path: str, run_metadata: dict, ledger: DeltaLog | None
+) -> int:
+    """Records a run that changed nothing (an empty slice) in a metadata-only commit of the
+    existing mirror: no data is read or written. Returns the commit's version."""
+
+    def commit() -> int:
+        with commit_metadata(spark, run_metadata):
+            ledger_commit(spark, path)
+        if ledger is not None:
+            return ledger.run_commit(run_metadata, LEDGER_OPERATION).version
+        return current_version(spark, path)
+
+    return retry_on_conflict(commit, table=spec.name, path=path)
+
+
+def change_feed(spark: SparkSession, path: str, version: int) -> DataFrame:
+    """What commit `version` of the table changed: Delta's change data feed of that commit."""
+    return (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", version)
+        .option("endingVersion", version)
+        .load(path)
+    )
+
+
+def live_rows(spark: SparkSession, path: str) -> DataFrame:
+    """The mirror as the source table looks: live rows, without the tombstones."""
+    return spark.read.format("delta").load(path).where(~F.col(DELETED))
+
+
+def delta_log(path: str, s3_client=None) -> DeltaLog | None:
+    """The table's log read without Spark: a local path, or S3 with `s3_client`; None for
+    anything else (Spark's history is read instead)."""
+    scheme = path.split("://", 1)[0] if "://" in path else ""
+    if scheme in ("s3a", "s3") and s3_client is not None:
+        return DeltaLog(path, s3_client=s3_client)
+    if scheme in ("", "file"):
+        return DeltaLog(path.removeprefix("file://"))
+    return None  # another filesystem: Spark reads it
+
+
+def mirror_newest_ms(spark: SparkSession, path: str, version: int) -> int | None:
+    """The newest source timestamp (ms) among the mirror's rows at `version`: a scan."""
+    return (
+        spark.read.format("delta")
+        .option("versionAsOf", version)
+        .load(path)
+        .agg(F.unix_millis(F.max(SOURCE_TS)).alias("newest"))
+        .first()["newest"]
+    )
+
+
+def current_version(spark: SparkSession, path: str, ledger: DeltaLog | None = None) -> int:
+    """The table's newest version."""
+    ledger = ledger or delta_log(path)
+    if ledger is not None:
+        return ledger.latest_version()
+    return DeltaTable.forPath(spark, path).history(1).select("version").first()["version"]
+
+
+def hour_history(
+    spark: SparkSession, path: str, ledger: DeltaLog | None = None
+) -> tuple[int | None, list[dict]]:
+    """The mirror's current version and its pipeline commits' metadata, newest first."""
+    ledger = ledger or delta_log(path)
+    if ledger is not None:
+        return ledger.hour_history()
+    return spark_hour_history(spark, path)
+
+
+def spark_hour_history(spark: SparkSession, path: str) -> tuple[int | None, list[dict]]:
+    """`hour_history` through Spark's DESCRIBE HISTORY (a Spark job)."""
+    if not DeltaTable.isDeltaTable(spark, path):
+        return None, []
+    rows = DeltaTable.forPath(spark, path).history().select("version", "userMetadata").collect()
+    history = []
+    for row in rows:
+        try:
+            meta = json.loads(row["userMetadata"] or "null")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and "slice" in meta:
+            history.append({"version": row["version"], **meta})
+    return max(row["version"] for row in rows), history
