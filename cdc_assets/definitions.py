@@ -1,5 +1,6 @@
 """The one Definitions object: a mirror and a maintenance asset per configured table, the
-schedule of the maintenance, and the resources."""
+schedule of the maintenance, the offset sensor, the demo shop's analytics (shop_analytics/) when
+its tables are mirrored, and the resources."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import os
 import dagster as dg
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
-from cdc_assets.downstream import build_downstream_assets
 from cdc_assets.factory import build_mirror_assets, build_retention_check_for
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
 from resources.masking import MASKING_KEY_ENV, MaskingResource
 from resources.spark import SparkResource
-from sensors.downstream import build_downstream_sensor
 from sensors.offset_progress import build_offset_sensor
+from shop_analytics.assets import build_downstream_assets
+from shop_analytics.sensors import build_downstream_sensor
 
 TABLES_FILE_ENV = "CDC_TABLES_FILE"
 

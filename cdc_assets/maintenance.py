@@ -34,7 +34,7 @@ version back. Delta 4.x also vacuums by that property and ignores a longer RETAI
   raise, and the metadata reports the retention Delta applied (`retain_hours_effective`).
 
 `order_facts` hour H reads the change data feed of the mirror commits that hour H's runs made
-(`cdc_assets/downstream.py`). A facts hour that runs, or runs again, more than the mirrors'
+(`shop_analytics/assets.py`). A facts hour that runs, or runs again, more than the mirrors'
 retention after its mirror hour (the automation sensor was off for longer, a backfill of old
 facts hours) fails with Delta's error above and writes nothing; running the mirror hour again
 does not help (the facts hour still reads the old commits; the rerun's changes nothing). The orders

@@ -1,2 +1,1 @@
-"""Sensors: the offset-progress sensor of each mirror (offset_progress) launches every hour once
-Kafka shows it closed, and the automation sensor (downstream) builds the downstream assets."""
+"""The offset-progress sensor: launches every mirror's hours once Kafka shows them closed."""

@@ -1,6 +1,6 @@
 """The partition job through Dagster Pipes, as it would run on EMR, but on this machine.
 
-`PipesSubprocessClient` starts the real entry script (cdc_assets/pipes_job.py) with pyspark's
+`PipesSubprocessClient` starts the real entry script (emr/pipes_job.py) with pyspark's
 own spark-submit on local[1], against the session's real broker, into a local Delta lake. The
 hour it materializes must equal the reference replay, and Dagster must record the in-process
 asset's metadata and checks for it from what came through Pipes. An hour that is still open must
@@ -16,9 +16,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_assets.pipes import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_table_asset
-from cdc_assets.pipes_job import REQUIRED_CONF, session_conf
 from checks.table_checks import run_check_names
+from emr.assets import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_table_asset
+from emr.pipes_job import REQUIRED_CONF, session_conf
 from resources.lake import LakeResource
 from resources.spark import DEFAULT_JARS_DIR, SparkResource
 from tests.faults import table
@@ -192,7 +192,7 @@ def test_the_emr_configuration_loads_without_aws_and_ships_the_poms_jars(monkeyp
     for name in list(os.environ):
         if name.startswith(("AWS_", "CDC_EMR")):
             monkeypatch.delenv(name)
-    from deploy.emr import definitions as emr
+    from emr import definitions as emr
 
     defs = emr.defs() if callable(emr.defs) else emr.defs
     keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}

@@ -2,7 +2,7 @@
 
 `build_pipes_table_asset(spec=...)` is the same asset as `cdc_assets.factory.build_table_asset`
 (key, hourly partitions, pool, check specs, retries, backfill policy; `mirror_asset` builds both),
-but for each hour of its run it starts the partition job, `cdc_assets/pipes_job.py`, through the
+but for each hour of its run it starts the partition job, `emr/pipes_job.py`, through the
 `pipes_client` resource, and records what the job reported through Pipes: the hour's
 materialization metadata and check results, exactly as the in-process asset records its own.
 
@@ -52,7 +52,7 @@ from resources.spark import DEFAULT_JARS_DIR, REPO_ROOT, SparkResource
 
 JOB_SCRIPT = Path(__file__).with_name("pipes_job.py")
 
-# The Pipes extras the job reads (cdc_assets/pipes_job.py).
+# The Pipes extras the job reads (emr/pipes_job.py).
 EXTRA_TABLE = "cdc_table"  # the TableSpec, as JSON
 EXTRA_HOUR = "cdc_hour"  # the hour key, e.g. 2026-11-04-08:00
 EXTRA_FORCE_OPEN_HOUR = "cdc_force_open_hour"
@@ -117,7 +117,7 @@ def to_pipes_metadata(metadata: Mapping[str, dg.MetadataValue]) -> dict[str, dic
         if kind is None:
             raise TypeError(
                 f"metadata '{key}' is a {type(value).__name__}, which Pipes can't carry; add it "
-                "to cdc_assets.pipes._PIPES_TYPES with its Pipes type"
+                "to emr.assets._PIPES_TYPES with its Pipes type"
             )
         out[key] = {"type": kind, "raw_value": None if kind == "null" else value.value}
     return out
@@ -145,7 +145,7 @@ def _no_whitespace(values: Mapping[str, str] | list[str], where: str) -> None:
 
 
 class SparkSubmitLaunch(PipesLaunch):
-    """For `PipesSubprocessClient`: `spark-submit cdc_assets/pipes_job.py` on this machine.
+    """For `PipesSubprocessClient`: `spark-submit emr/pipes_job.py` on this machine.
 
     The job's Spark is set up as the in-process `SparkResource` sets up its session (the
     project's jars from pom.xml, Delta, UTC, ...), handed to spark-submit as `--conf`; the
@@ -413,7 +413,7 @@ def build_pipes_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
         _mirror,
         check_specs=check_specs,
         description=asset_description(spec)
-        + " Each hour runs as the partition job (cdc_assets/pipes_job.py) through Dagster Pipes.",
+        + " Each hour runs as the partition job (emr/pipes_job.py) through Dagster Pipes.",
         required_resource_keys={"pipes_client", "pipes_launch", "kafka", "lake"},
     )
 

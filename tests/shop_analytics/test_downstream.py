@@ -19,12 +19,12 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from cdc_assets.config import ExpectationSpec
-from cdc_assets.downstream import (
+from cdc_assets.factory import build_mirror_assets, build_table_asset
+from shop_analytics.assets import (
     DAILY_SALES_CONDITION,
     ORDER_FACTS_CONDITION,
     build_downstream_assets,
 )
-from cdc_assets.factory import build_mirror_assets, build_table_asset
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, mirror_rows, seed_demo
 
 pytestmark = pytest.mark.integration

@@ -4,10 +4,10 @@ The code location for a Dagster deployment whose Spark work runs on EMR Serverle
 in the run worker (docs/emr.md says how to package, upload and grant it). Load it in place of
 `cdc_assets.definitions`:
 
-    dagster code-server start -m deploy.emr.definitions
-    # or in workspace.yaml: - python_module: deploy.emr.definitions
+    dagster code-server start -m emr.definitions
+    # or in workspace.yaml: - python_module: emr.definitions
 
-It holds the mirror assets, built by `cdc_assets.pipes.build_pipes_table_asset` (the same assets
+It holds the mirror assets, built by `emr.assets.build_pipes_table_asset` (the same assets
 as in-process: keys, hourly partitions, pools, checks), and their offset sensors. Not here: the
 downstream assets (order_facts, daily_sales) and the standalone retention_risk check, which run
 Spark in the run worker; keep them in an in-process code location if you need them.
@@ -43,7 +43,7 @@ from dagster_aws.pipes import (
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
 from cdc_assets.definitions import TABLES_FILE_ENV
-from cdc_assets.pipes import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_table_asset
+from emr.assets import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from sensors.offset_progress import build_offset_sensor

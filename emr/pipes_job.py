@@ -1,8 +1,8 @@
 """The partition job: one hour of one mirror, run outside Dagster and reported through Pipes.
 
-    spark-submit [--jars ...] cdc_assets/pipes_job.py
+    spark-submit [--jars ...] emr/pipes_job.py
 
-Dagster starts it through a Pipes client (`cdc_assets/pipes.py`: locally `PipesSubprocessClient`,
+Dagster starts it through a Pipes client (`emr/assets.py`: locally `PipesSubprocessClient`,
 on AWS `PipesEMRServerlessClient` or `PipesEMRClient`). It opens the Pipes context from the
 environment the client set, reads the table and the hour from the extras, runs the project's
 `run_hour` on the Spark session the cluster gives it, evaluates the hour's checks, and reports
@@ -28,9 +28,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# As a script (spark-submit .../cdc_assets/pipes_job.py) Python puts cdc_assets/ first on
-# sys.path, where its modules would shadow top-level ones (cdc_assets/pipes.py the standard
-# library's `pipes`): the project is imported as the installed package only.
+# As a script (spark-submit .../emr/pipes_job.py) Python puts emr/ first on sys.path, where
+# its modules would shadow top-level ones of the same name (`definitions`, `assets`): the
+# project is imported as the installed package only.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
@@ -56,7 +56,8 @@ from pyspark.sql import SparkSession  # noqa: E402
 from cdc_assets.config import TableSpec  # noqa: E402
 from cdc_assets.factory import hour_summary, partial_warning, result_metadata  # noqa: E402
 from cdc_assets.hour_run import run_hour  # noqa: E402
-from cdc_assets.pipes import (  # noqa: E402
+from checks.table_checks import evaluate_run_checks  # noqa: E402
+from emr.assets import (  # noqa: E402
     CHECK_DESCRIPTIONS,
     EXTRA_FORCE_OPEN_HOUR,
     EXTRA_HOUR,
@@ -66,7 +67,6 @@ from cdc_assets.pipes import (  # noqa: E402
     KAFKA_SECRET_FIELDS,
     to_pipes_metadata,
 )
-from checks.table_checks import evaluate_run_checks  # noqa: E402
 from resources.kafka import KafkaResource  # noqa: E402
 from resources.lake import LakeResource, single_writer_from_env  # noqa: E402
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource  # noqa: E402
@@ -235,8 +235,8 @@ def main() -> int:
     params = PipesEnvVarParamsLoader()
     if not params.is_dagster_pipes_process():
         print(  # noqa: T201
-            "cdc_assets/pipes_job.py runs the hours Dagster hands it through Pipes; start it "
-            "from Dagster (cdc_assets/pipes.py), not by hand. To run an hour without Dagster, "
+            "emr/pipes_job.py runs the hours Dagster hands it through Pipes; start it "
+            "from Dagster (emr/assets.py), not by hand. To run an hour without Dagster, "
             "call cdc_assets.hour_run.run_hour.",
             file=sys.stderr,
         )

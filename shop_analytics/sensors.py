@@ -1,6 +1,6 @@
 """The trigger of the downstream assets: Dagster's automation sensor, on by default.
 
-The downstream assets carry their own automation conditions (cdc_assets/downstream.py): an
+The downstream assets carry their own automation conditions (shop_analytics/assets.py): an
 hour is built when its upstream mirror hours are materialized and their blocking checks
 passed, so never on a failed or partial (forced-open) hour. This sensor evaluates those
 conditions every 30 seconds in the daemon and launches what they ask for.

@@ -1,0 +1,2 @@
+"""The demo shop's analytics on its mirrors: `order_facts` (hourly) and `daily_sales`, built from
+the customers, orders and order_items mirrors, and the automation sensor that runs them."""
