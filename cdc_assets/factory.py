@@ -130,7 +130,7 @@ def mirror_asset(
     """`compute` as `spec`'s mirror asset: key, partitions, pool, checks, retries, metadata.
 
     Shared by the in-process asset (`build_table_asset`) and the one whose hours run outside
-    Dagster through Pipes (`cdc_assets.pipes.build_pipes_table_asset`), so both are the same
+    Dagster through Pipes (`emr.assets.build_pipes_table_asset`), so both are the same
     asset to Dagster.
     """
     with warnings.catch_warnings():
