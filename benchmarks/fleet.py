@@ -36,6 +36,7 @@ import yaml
 from kafka import KafkaAdminClient, KafkaProducer
 
 from benchmarks.workload import COLUMNS, PRIMARY_KEY, Workload
+from checks.table_checks import MIRROR_CHECKS
 from demo.produce import ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,7 +366,7 @@ def warm(hour_key: str) -> int:
     specs = load_tables(os.environ["CDC_TABLES_FILE"])
     with dg.DagsterInstance.get() as instance:
         result = dg.materialize(
-            build_mirror_assets(specs),
+            build_mirror_assets(specs, checks=MIRROR_CHECKS),
             partition_key=hour_key,
             instance=instance,
             resources={

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from checks.table_checks import MIRROR_CHECKS
+
 T0 = time.monotonic()
 
 SPARK_MEMORY = "4g"
@@ -283,7 +285,7 @@ def ours(job: dict, phases: dict) -> dict:
             "dagster/asset_partition_range_end": hours[-1],
         }
     result = dg.materialize(
-        [build_table_asset(spec=spec)],
+        [build_table_asset(checks=MIRROR_CHECKS, spec=spec)],
         partition_key=hours[0] if len(hours) == 1 else None,
         tags=tags,
         resources={

@@ -26,6 +26,8 @@ from pydantic import (
 from cdc_assets import encodings
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
+# The environment variable naming the tables file a deployment loads instead.
+TABLES_FILE_ENV = "CDC_TABLES_FILE"
 
 # Shorthands of earlier configs: a timestamp naming the unit of its epoch values, which is the
 # column's encoding (cdc_assets/encodings.py).

@@ -11,9 +11,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
+
+# Dagster records a check result against one partition only through this event; a range run
+# (a backfill) has no public way to name the hour a result belongs to.
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 from pydantic import Field
 
 from cdc_assets import rule
+from cdc_assets.checking import MirrorChecks
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
@@ -21,12 +28,6 @@ from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
-from checks.expectations import preload as preload_expectations
-from checks.table_checks import (
-    build_retention_check,
-    hour_check_evaluation,
-    run_check_specs,
-)
 from resources.lake import LakeConfigError, LakeResource
 from resources.masking import HmacKey, MaskingKeyError
 from resources.spark import SparkResource
@@ -242,6 +243,44 @@ def _hour_checks(
             )
 
 
+def hour_check_evaluation(
+    context: dg.AssetExecutionContext,
+    check: dg.AssetCheckResult,
+    *,
+    spec: TableSpec,
+    hour_key: str,
+    blocking: bool,
+) -> dg.AssetCheckEvaluation:
+    """`check` as the result of hour `hour_key`, for a run that materialized a range of hours.
+
+    It names the hour's materialization it judged (the one this run just recorded), so Dagster
+    counts it as current: the UI shows it under that hour, and the downstream assets'
+    `all_deps_blocking_checks_passed` sees it.
+    """
+    asset_key = dg.AssetKey(spec.name)
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[hour_key]), limit=1
+    ).records
+    target = None
+    if records:
+        target = AssetCheckEvaluationTargetMaterializationData(
+            storage_id=records[0].storage_id,
+            run_id=records[0].run_id,
+            timestamp=records[0].timestamp,
+        )
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=check.check_name,
+        passed=check.passed,
+        metadata=check.metadata,
+        target_materialization_data=target,
+        severity=check.severity,
+        description=check.description,
+        blocking=blocking,
+        partition=hour_key,
+    )
+
+
 def _for_asset(check: dg.AssetCheckResult, key: dg.AssetKey) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         asset_key=key,
@@ -288,9 +327,12 @@ def mirrors_pool() -> str:
     return MIRRORS_POOL
 
 
-def build_mirror_assets(specs: Sequence[TableSpec]) -> list[dg.AssetsDefinition]:
+def build_mirror_assets(
+    specs: Sequence[TableSpec], *, checks: MirrorChecks
+) -> list[dg.AssetsDefinition]:
     """The mirrors of `specs`: one multi-asset per set of tables whose hourly partitions start
-    at the same hour, each table still its own asset (partitions, checks, metadata).
+    at the same hour, each table still its own asset (partitions, checks, metadata). Each hour
+    of a table is audited, validated and checked by `checks` (`checks.table_checks`).
 
     A run materializes any subset of its tables over one hour or a range; the tables run in
     parallel on the run's Spark session (`cdc_assets.fleet`), hour after hour, and each
@@ -299,7 +341,10 @@ def build_mirror_assets(specs: Sequence[TableSpec]) -> list[dg.AssetsDefinition]
     groups: dict[str, list[TableSpec]] = {}
     for spec in specs:
         groups.setdefault(spec.start_hour, []).append(spec)
-    return [_mirrors_asset(group, name=_op_name(group, len(groups))) for group in groups.values()]
+    return [
+        _mirrors_asset(group, name=_op_name(group, len(groups)), checks=checks)
+        for group in groups.values()
+    ]
 
 
 def _op_name(group: list[TableSpec], groups: int) -> str:
@@ -311,9 +356,9 @@ def _op_name(group: list[TableSpec], groups: int) -> str:
     return f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if groups > 1 else "mirrors"
 
 
-def build_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
+def build_table_asset(*, spec: TableSpec, checks: MirrorChecks) -> dg.AssetsDefinition:
     """The hourly Delta mirror of `spec.topic` alone (a mirrors multi-asset of one table)."""
-    (asset,) = build_mirror_assets([spec])
+    (asset,) = build_mirror_assets([spec], checks=checks)
     return asset
 
 
@@ -337,9 +382,13 @@ def _asset_spec(spec: TableSpec, partitions_def: dg.PartitionsDefinition) -> dg.
     )
 
 
-def _mirrors_asset(specs: list[TableSpec], *, name: str) -> dg.AssetsDefinition:
+def _mirrors_asset(
+    specs: list[TableSpec], *, name: str, checks: MirrorChecks
+) -> dg.AssetsDefinition:
     partitions_def = hourly_partitions(specs[0])
-    checks_of = {spec.name: run_check_specs(spec, partitions_def=partitions_def) for spec in specs}
+    checks_of = {
+        spec.name: checks.check_specs(spec, partitions_def=partitions_def) for spec in specs
+    }
     by_key = {dg.AssetKey(spec.name): spec for spec in specs}
     # Every table with sensitive columns needs the key: hashes, and its error table's seal.
     masking = any(spec.sensitive for spec in specs)
@@ -357,12 +406,13 @@ def _mirrors_asset(specs: list[TableSpec], *, name: str) -> dg.AssetsDefinition:
             for spec in selected
         ]
         work = [item for item in work if item.hour_keys]
-        preload_expectations()  # while the Spark session starts
+        checks.preload()  # while the Spark session starts
         outcomes = run_tables(
             spark=spark.session,
             kafka=context.resources.kafka,
             lake=context.resources.lake,
             work=work,
+            checks=checks,
             parallelism=spark.parallel_tables,
             force_open_hour=config.force_open_hour,
             local_read_max_records=spark.local_read_max_records,
@@ -464,8 +514,3 @@ def _masking_key(context: dg.AssetExecutionContext, spec: TableSpec) -> HmacKey 
         return context.resources.masking.hmac_key(table=spec.name, columns=list(spec.sensitive))
     except MaskingKeyError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
-
-
-def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:
-    """The standalone retention-risk check of `spec`'s mirror, partitioned like it."""
-    return build_retention_check(spec=spec, partitions_def=hourly_partitions(spec))

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import dagster as dg
 from pyspark.sql import SparkSession
 
+from cdc_assets.checking import MirrorChecks
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import HourResult, run_hour
-from checks.table_checks import evaluate_run_checks
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import HmacKey
@@ -62,6 +62,7 @@ def run_tables(
     kafka: KafkaResource,
     lake: LakeResource,
     work: Sequence[TableWork],
+    checks: MirrorChecks,
     parallelism: int,
     force_open_hour: bool = False,
     local_read_max_records: int | None = None,
@@ -70,9 +71,10 @@ def run_tables(
     """Runs each table's hours, tables in parallel; returns their outcomes in `work`'s order.
 
     `on_done` is called (from the calling thread) as each table finishes, so a caller can log
-    progress while the others still run.
+    progress while the others still run. Each hour is audited, validated and checked by
+    `checks` (`cdc_assets.checking`).
     """
-    extra = {}
+    extra: dict = {"checks": checks}
     if local_read_max_records is not None:
         extra["local_read_max_records"] = local_read_max_records
     counter = iter(range(1_000_000))
@@ -90,13 +92,11 @@ def run_tables(
             try:
                 result = _run_one_hour(session, kafka, lake, item, hour_key, force_open_hour, extra)
                 path = lake.table_path(item.spec.name)
-                checks = evaluate_run_checks(
-                    spark=session, spec=item.spec, path=path, result=result
-                )
+                results = checks.evaluate(spark=session, spec=item.spec, path=path, result=result)
             except Exception as exc:  # the table stops here; the others go on
                 outcome.error, outcome.failed_hour = exc, hour_key
                 break
-            outcome.hours.append(HourRun(result, checks, time.monotonic() - started))
+            outcome.hours.append(HourRun(result, results, time.monotonic() - started))
         session.sparkContext.setLocalProperty("spark.scheduler.pool", None)
         return outcome
 

@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import toast
+from cdc_assets.checking import AuditVerdict, KeyCounts, MirrorChecks
 from cdc_assets.commits import (
     current_version,
     delta_log,
@@ -51,15 +52,6 @@ from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_
 from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
 from cdc_assets.tally import Tally, key_value
-from checks.expectations import (
-    Audit,
-    KeyCounts,
-    Outcome,
-    audit_changes,
-    audit_no_changes,
-    validate_batch,
-    validate_nothing,
-)
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey
@@ -118,9 +110,9 @@ class HourResult:
     # What the hour's records told of the source's columns (encodings, mismatches, new ones).
     source_fields: SourceShape = field(default_factory=SourceShape)
     # The hard expectations' verdict; None when the table declares none.
-    audit: Audit | None = None
-    # The other expectations' verdicts, on the hour's newest change per key.
-    expectations: tuple[Outcome, ...] = ()
+    audit: AuditVerdict | None = None
+    # The other expectations' verdicts, on the hour's newest change per key (`MirrorChecks`).
+    expectations: tuple[object, ...] = ()
     # The newest source timestamp among the changes the mirror has taken, this run's included
     # (recorded in each run's commit as a running maximum, so no run scans the table for it).
     mirror_newest: datetime | None = None
@@ -230,12 +222,16 @@ def run_hour(
     lake: LakeResource,
     spec: TableSpec,
     hour_key: str,
+    checks: MirrorChecks,
     now: datetime | None = None,
     force_open_hour: bool = False,
     masking_key: HmacKey | None = None,
     local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
 ) -> HourResult:
     """Materializes one hour of `spec` into its Delta mirror and returns what happened.
+
+    `checks` audits the hour's changes before the MERGE (the hard expectations' failures go to
+    the error table) and validates the newest change per key after it (`cdc_assets.checking`).
 
     A slice of at most `local_read_max_records` records is read and decoded in this process
     (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
@@ -256,7 +252,7 @@ def run_hour(
         prior_newest = recorded_mirror_newest(spark, path, history, last_version)
         if hour_slice.size == 0 and last_version is not None:
             return _empty_hour(
-                spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest
+                spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest, checks
             )
         with sized_shuffles(spark, hour_slice.size):
             return _apply_hour(
@@ -273,6 +269,7 @@ def run_hour(
                 prior_newest=prior_newest,
                 masking_key=masking_key,
                 local_read_max_records=local_read_max_records,
+                checks=checks,
             )
 
 
@@ -329,6 +326,7 @@ def _apply_hour(
     prior_newest: int | None,
     masking_key: HmacKey | None,
     local_read_max_records: int,
+    checks: MirrorChecks,
 ) -> HourResult:
     """Reads, decodes, audits and MERGEs a non-empty (or first) hour; see `run_hour`."""
     path = lake.table_path(spec.name)
@@ -367,7 +365,7 @@ def _apply_hour(
     try:
         decoded = batch.frame
         # Audit: hard expectations hold failing changes back, into the error table.
-        audit = audit_changes(spark, spec, decoded.where(applicable()))
+        audit = checks.audit(spark, spec, decoded.where(applicable()))
         newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
         errors, reasons = tally.errors, dict(tally.reasons)
         if audit is not None and audit.failed is not None:
@@ -446,7 +444,7 @@ def _apply_hour(
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
         if toast.resolve_moves(spark, spec, path):
             version = current_version(spark, path, ledger)
-        expectations = validate_batch(
+        expectations = checks.validate(
             spark,
             spec,
             path,
@@ -674,6 +672,7 @@ def _empty_hour(
     hour_slice: HourSlice,
     previous_end: dict[int, int] | None,
     prior_newest: int | None,
+    checks: MirrorChecks,
 ) -> HourResult:
     """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
     metadata-only commit, as every run's is, so the next hour starts where it ended."""
@@ -701,7 +700,7 @@ def _empty_hour(
         newest_source_ts=None,
         finished_at=datetime.now(UTC),
         previous_end=previous_end,
-        audit=audit_no_changes(spec),
-        expectations=tuple(validate_nothing(spec)),
+        audit=checks.audit_nothing(spec),
+        expectations=tuple(checks.validate_nothing(spec)),
         mirror_newest=_from_ms(prior_newest),
     )

@@ -31,6 +31,7 @@ import dagster as dg
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_assets.checking import KeyCounts
 from cdc_assets.config import ExpectationSpec, TableSpec, spark_type
 from cdc_assets.decode import DELETED, KAFKA_OFFSET, KAFKA_PARTITION, OP
 
@@ -385,16 +386,6 @@ def validate_nothing(spec: TableSpec) -> list[Outcome]:
         for e in table_expectations(spec)
         if not e.hard
     ]
-
-
-@dataclass(frozen=True)
-class KeyCounts:
-    """The primary key's uniqueness among the mirror's live rows under the hour's keys, as the
-    run counted it (`merge.MergeOutcome.duplicate_rows`): the rows the mirror held for them
-    before the MERGE, and the rows the MERGE inserted for keys that already had one."""
-
-    keys: int
-    duplicates: int
 
 
 def validate_batch(

@@ -29,8 +29,13 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TableConfigError, TableSpec, load_tables
-from cdc_assets.definitions import TABLES_FILE_ENV
+from cdc_assets.config import (
+    DEFAULT_TABLES_FILE,
+    TABLES_FILE_ENV,
+    TableConfigError,
+    TableSpec,
+    load_tables,
+)
 from cdc_assets.factory import hourly_partitions
 from checks.invariants import RETENTION_RISK
 from checks.table_checks import run_check_specs

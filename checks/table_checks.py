@@ -8,20 +8,26 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import dagster as dg
-
-# Dagster records a check result against one partition only through this event; a range run
-# (a backfill) has no public way to name the hour a result belongs to.
-from dagster._core.definitions.asset_checks.asset_check_evaluation import (
-    AssetCheckEvaluationTargetMaterializationData,
-)
 from kafka import TopicPartition
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
+from cdc_assets.checking import KeyCounts
 from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
+from cdc_assets.factory import hourly_partitions
 from cdc_assets.hour_run import HourResult, recorded_offsets
 from cdc_assets.toast import unknown_live_rows
-from checks.expectations import expectation_check_specs, table_expectations
+from checks.expectations import (
+    Audit,
+    Outcome,
+    audit_changes,
+    audit_no_changes,
+    expectation_check_specs,
+    preload,
+    table_expectations,
+    validate_batch,
+    validate_nothing,
+)
 from checks.invariants import (
     DESCRIPTIONS,
     RETENTION_RISK,
@@ -119,42 +125,9 @@ def evaluate_run_checks(
     return results
 
 
-def hour_check_evaluation(
-    context: dg.AssetExecutionContext,
-    check: dg.AssetCheckResult,
-    *,
-    spec: TableSpec,
-    hour_key: str,
-    blocking: bool,
-) -> dg.AssetCheckEvaluation:
-    """`check` as the result of hour `hour_key`, for a run that materialized a range of hours.
-
-    It names the hour's materialization it judged (the one this run just recorded), so Dagster
-    counts it as current: the UI shows it under that hour, and the downstream assets'
-    `all_deps_blocking_checks_passed` sees it.
-    """
-    asset_key = dg.AssetKey(spec.name)
-    records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[hour_key]), limit=1
-    ).records
-    target = None
-    if records:
-        target = AssetCheckEvaluationTargetMaterializationData(
-            storage_id=records[0].storage_id,
-            run_id=records[0].run_id,
-            timestamp=records[0].timestamp,
-        )
-    return dg.AssetCheckEvaluation(
-        asset_key=asset_key,
-        check_name=check.check_name,
-        passed=check.passed,
-        metadata=check.metadata,
-        target_materialization_data=target,
-        severity=check.severity,
-        description=check.description,
-        blocking=blocking,
-        partition=hour_key,
-    )
+def build_retention_check_for(*, spec: TableSpec) -> dg.AssetChecksDefinition:
+    """The standalone retention-risk check of `spec`'s mirror, partitioned like it."""
+    return build_retention_check(spec=spec, partitions_def=hourly_partitions(spec))
 
 
 def build_retention_check(
@@ -220,3 +193,45 @@ def _retention_check(spec: TableSpec, partitions_def, policy) -> dg.AssetChecksD
         )
 
     return _retention_risk
+
+
+class TableChecks:
+    """A mirror's checks as its run and its asset call them (`cdc_assets.checking.MirrorChecks`):
+    great-expectations for the audit and the validation, then the invariants and the
+    expectations' results for each hour."""
+
+    def preload(self) -> None:
+        preload()
+
+    def audit(self, spark: SparkSession, spec: TableSpec, changes: DataFrame) -> Audit | None:
+        return audit_changes(spark, spec, changes)
+
+    def audit_nothing(self, spec: TableSpec) -> Audit | None:
+        return audit_no_changes(spec)
+
+    def validate(
+        self,
+        spark: SparkSession,
+        spec: TableSpec,
+        path: str,
+        version: int | None,
+        rows: DataFrame,
+        keys: KeyCounts,
+    ) -> list[Outcome]:
+        return validate_batch(spark, spec, path, version, rows, keys=keys)
+
+    def validate_nothing(self, spec: TableSpec) -> list[Outcome]:
+        return validate_nothing(spec)
+
+    def check_specs(
+        self, spec: TableSpec, *, partitions_def: dg.PartitionsDefinition
+    ) -> list[dg.AssetCheckSpec]:
+        return run_check_specs(spec, partitions_def=partitions_def)
+
+    def evaluate(
+        self, *, spark: SparkSession, spec: TableSpec, path: str, result: HourResult
+    ) -> list[dg.AssetCheckResult]:
+        return evaluate_run_checks(spark=spark, spec=spec, path=path, result=result)
+
+
+MIRROR_CHECKS = TableChecks()

@@ -2,7 +2,7 @@
 
 The code location for a Dagster deployment whose Spark work runs on EMR Serverless instead of
 in the run worker (docs/emr.md says how to package, upload and grant it). Load it in place of
-`cdc_assets.definitions`:
+`code_location.definitions`:
 
     dagster code-server start -m emr.definitions
     # or in workspace.yaml: - python_module: emr.definitions
@@ -41,8 +41,7 @@ from dagster_aws.pipes import (
     PipesS3MessageReader,
 )
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
-from cdc_assets.definitions import TABLES_FILE_ENV
+from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
 from emr.assets import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_table_asset
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
@@ -124,7 +123,7 @@ class EMROnEC2PipesClient(dg.ConfigurableResource):
 
 def shared_resources() -> dict[str, Any]:
     # Their non-secret settings reach the job in the Pipes extras; give Kafka's security
-    # settings here as in cdc_assets/definitions.py (the password itself goes to the job
+    # settings here as in code_location/definitions.py (the password itself goes to the job
     # through SECRET_ENV, not through these).
     return {
         "kafka": KafkaResource(bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS")),

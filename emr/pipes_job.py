@@ -56,7 +56,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 from cdc_assets.config import TableSpec  # noqa: E402
 from cdc_assets.factory import hour_summary, partial_warning, result_metadata  # noqa: E402
 from cdc_assets.hour_run import run_hour  # noqa: E402
-from checks.table_checks import evaluate_run_checks  # noqa: E402
+from checks.table_checks import MIRROR_CHECKS  # noqa: E402
 from emr.assets import (  # noqa: E402
     CHECK_DESCRIPTIONS,
     EXTRA_FORCE_OPEN_HOUR,
@@ -203,6 +203,7 @@ def run(pipes: PipesContext) -> None:
     spark = job_session()
     try:
         result = run_hour(
+            checks=MIRROR_CHECKS,
             spark=spark,
             kafka=kafka,
             lake=lake,
@@ -212,7 +213,7 @@ def run(pipes: PipesContext) -> None:
             masking_key=masking_key,
         )
         path = lake.table_path(spec.name)
-        checks = evaluate_run_checks(spark=spark, spec=spec, path=path, result=result)
+        checks = MIRROR_CHECKS.evaluate(spark=spark, spec=spec, path=path, result=result)
     finally:
         spark.stop()
     pipes.log.info(hour_summary(spec, result))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from cdc_assets.definitions import defs
 from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
+from code_location.definitions import defs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -119,7 +119,7 @@ def deployment(broker, pg, s3, spark, tmp_path):
             "CDC_TABLES_FILE": str(tables),
             "CDC_KAFKA_BOOTSTRAP_SERVERS": broker,
             # The lake on S3, reached as a deployment reaches it: AWS's own variables, which
-            # cdc_assets/definitions.py hands to the lake's S3Resource (keys as dg.EnvVar).
+            # code_location/definitions.py hands to the lake's S3Resource (keys as dg.EnvVar).
             "CDC_LAKE_ROOT": f"s3://{s3.bucket}/{prefix}",
             "AWS_ACCESS_KEY_ID": os.environ[S3_KEY_ENV],
             "AWS_SECRET_ACCESS_KEY": os.environ[S3_SECRET_ENV],

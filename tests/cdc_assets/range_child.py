@@ -31,6 +31,7 @@ from pyspark import SparkContext
 
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_mirror_assets
+from checks.table_checks import MIRROR_CHECKS
 from resources.kafka import KafkaResource
 from resources.spark import SparkResource
 from tests.conftest import S3Lakes
@@ -69,7 +70,7 @@ def main(workdir: Path) -> int:
     keys = job["keys"]
     spark = spark_resource(job["master"], workdir)
     result = dg.materialize(
-        build_mirror_assets(specs),
+        build_mirror_assets(specs, checks=MIRROR_CHECKS),
         tags={
             "dagster/asset_partition_range_start": keys[0],
             "dagster/asset_partition_range_end": keys[-1],

@@ -8,6 +8,7 @@ import pytest
 from cdc_assets.config import TableConfigError, load_tables, parse_tables
 from cdc_assets.factory import build_table_asset
 from cdc_assets.masking import stored_spec
+from checks.table_checks import MIRROR_CHECKS
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import MASKING_KEY_ENV, MaskingResource
@@ -149,13 +150,17 @@ def test_sensitive_columns_are_stored_masked():
         }
     )
     assert stored_spec(spec).columns == {"id": "bigint", "email": "string", "ssn": "string"}
-    assert "masking" in build_table_asset(spec=spec).required_resource_keys
+    assert "masking" in build_table_asset(checks=MIRROR_CHECKS, spec=spec).required_resource_keys
     # A table that only drops needs the key too: its error table's raw bytes are sealed with it.
     dropping = spec.model_copy(update={"sensitive": {"x": "drop"}, "expectations": ()})
-    assert "masking" in build_table_asset(spec=dropping).required_resource_keys
+    assert (
+        "masking" in build_table_asset(checks=MIRROR_CHECKS, spec=dropping).required_resource_keys
+    )
     # A table without sensitive columns runs without the masking resource.
     plain = spec.model_copy(update={"sensitive": {}, "expectations": ()})
-    assert "masking" not in build_table_asset(spec=plain).required_resource_keys
+    assert (
+        "masking" not in build_table_asset(checks=MIRROR_CHECKS, spec=plain).required_resource_keys
+    )
 
 
 def _hashing_run(tmp_path, masking: MaskingResource, mode: str = "hash"):
@@ -168,7 +173,7 @@ def _hashing_run(tmp_path, masking: MaskingResource, mode: str = "hash"):
         "masking": masking,
     }
     return dg.materialize(
-        [build_table_asset(spec=spec)],
+        [build_table_asset(checks=MIRROR_CHECKS, spec=spec)],
         partition_key="2026-11-01-05:00",
         resources=resources,
         raise_on_error=False,

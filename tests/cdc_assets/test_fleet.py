@@ -15,7 +15,7 @@ import pytest
 
 from cdc_assets.factory import build_mirror_assets
 from cdc_assets.ledger import DeltaLog
-from checks.table_checks import run_check_names
+from checks.table_checks import MIRROR_CHECKS, run_check_names
 from resources.spark import SparkResource
 from tests.support import accounts_spec, mirror_rows
 
@@ -46,7 +46,7 @@ def test_tables_of_one_run_each_get_their_hour_and_a_failing_table_fails_alone(
             send(topic, json.dumps({"id": row}).encode(), _change(row, row + 1), _ms(HOUR) + row)
     # A table whose topic does not exist: its hour fails, naming the fix; the others don't.
     missing = accounts_spec(f"{topic_prefix}-nowhere").model_copy(update={"name": "fleet_gone"})
-    assets = build_mirror_assets([*specs, missing])
+    assets = build_mirror_assets([*specs, missing], checks=MIRROR_CHECKS)
     assert len(assets) == 1  # one multi-asset: the same first hour
     resources = {
         "kafka": kafka,

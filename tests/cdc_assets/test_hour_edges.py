@@ -17,6 +17,7 @@ from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import SequenceConfigError, run_hour
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
+from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay_with_errors
 from resources.lake import LakeResource
 from tests.support import accounts_spec, diff_rows, mirror_rows, read_topic
@@ -33,7 +34,13 @@ def run(spark, kafka):
 
     def _run(spec: TableSpec, lake, hour_key: str = KEY, **options):
         return run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=hour_key, **options
+            checks=MIRROR_CHECKS,
+            spark=spark,
+            kafka=kafka,
+            lake=lake,
+            spec=spec,
+            hour_key=hour_key,
+            **options,
         )
 
     return _run
@@ -93,7 +100,7 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     now = datetime.now(UTC)
     send(topic, b'{"id":1}', _change("c", 1, 10), _ms(now))
     key = now.strftime("%Y-%m-%d-%H:00")
-    asset = build_table_asset(spec=spec)
+    asset = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
 
     refused = dg.materialize([asset], partition_key=key, resources=resources, raise_on_error=False)
@@ -412,7 +419,7 @@ def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continu
     for partition in (0, 1):
         send(topic, b'{"id":9}', b"{}", _ms(HOUR) + 3 * 3_600_000 + 1_000, partition=partition)
 
-    asset = build_table_asset(spec=spec)
+    asset = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
     instance = dg.DagsterInstance.ephemeral()
 

@@ -24,6 +24,7 @@ from cdc_assets.maintenance import (
     interval_hours,
     maintenance_asset_name,
 )
+from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, seed_demo
 
@@ -41,7 +42,7 @@ def mirror(broker, kafka, spark, tmp_path_factory):
     spec = next(s for s in specs if s.name == "order_items")
     lake = LakeResource(root=str(tmp_path_factory.mktemp("maintenance") / "lake"))
     for key in hour_keys(FIRST_HOUR, HOURS):
-        run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)
+        run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)
     return spec, lake
 
 

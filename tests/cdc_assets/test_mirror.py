@@ -29,7 +29,7 @@ import pytest
 from cdc_assets.factory import build_mirror_assets, hourly_partitions
 from cdc_assets.hour_run import hour_start, run_hour
 from cdc_assets.slicing import compute_slice
-from checks.table_checks import run_check_specs
+from checks.table_checks import MIRROR_CHECKS, run_check_specs
 from demo.reference import replay, replay_with_errors
 from devtools import spark_cluster as spark_cluster_tool
 from resources.lake import LakeResource
@@ -76,7 +76,7 @@ def in_order(demo, kafka, spark_resource, spark, s3):
 
 def _materialize(specs, keys, *, kafka, spark_resource, lake):
     """Runs each hour of `keys` as one in-process Dagster run over all tables, in that order."""
-    assets = build_mirror_assets(specs)
+    assets = build_mirror_assets(specs, checks=MIRROR_CHECKS)
     metadata = {}
     for key in keys:
         result = dg.materialize(
@@ -205,7 +205,14 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, tmp_pa
     specs = [s for s in specs if s.name == "order_items"]
     for key in order:
         for spec in specs:
-            run_hour(spark=spark, kafka=kafka, lake=shuffled, spec=spec, hour_key=key)
+            run_hour(
+                checks=MIRROR_CHECKS,
+                spark=spark,
+                kafka=kafka,
+                lake=shuffled,
+                spec=spec,
+                hour_key=key,
+            )
 
     for spec in specs:
         expected = full_table(spark, reference.table_path(spec.name))
@@ -344,7 +351,7 @@ def test_reference_would_catch_a_wrong_mirror(demo, broker, spark, kafka, lake):
     specs, _, _, keys = demo
     spec = next(s for s in specs if s.name == "customers")
     for key in keys[:-1]:
-        run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)
+        run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)
     expected = replay(spec, [(p, o, v) for p, o, v, _ in read_topic(broker, spec.topic)])
     diff = diff_rows(mirror_rows(spark, lake.table_path(spec.name), spec), expected)
     assert any(diff.values())

@@ -27,6 +27,7 @@ from deltalake import DeltaTable, QueryBuilder
 
 from cdc_assets.commits import live_rows
 from cdc_assets.factory import build_mirror_assets
+from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, seed_demo
 
@@ -47,7 +48,7 @@ def _run(specs, keys, *, kafka, spark_resource, lake, raise_on_error=True):
     for key in keys:
         results.append(
             dg.materialize(
-                build_mirror_assets(specs),
+                build_mirror_assets(specs, checks=MIRROR_CHECKS),
                 partition_key=key,
                 resources={"kafka": kafka, "spark": spark_resource, "lake": lake},
                 raise_on_error=raise_on_error,

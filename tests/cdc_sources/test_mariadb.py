@@ -18,7 +18,7 @@ import pytest
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
-from checks.table_checks import evaluate_run_checks
+from checks.table_checks import MIRROR_CHECKS, evaluate_run_checks
 from devtools import kafka_connect
 from resources.lake import LakeResource
 from tests.cdc_sources.source import Capture, at_hour, mirror_live_rows, source_rows
@@ -177,7 +177,12 @@ def test_mirror_of_a_real_mariadb_equals_the_source_in_any_hour_order(
             lake = LakeResource(root=str(tmp_path / f"order{n}"))
             for hour in order:
                 result = run_hour(
-                    spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEYS[hour]
+                    checks=MIRROR_CHECKS,
+                    spark=spark,
+                    kafka=kafka,
+                    lake=lake,
+                    spec=spec,
+                    hour_key=KEYS[hour],
                 )
                 checks = evaluate_run_checks(
                     spark=spark, spec=spec, path=lake.table_path(TABLE), result=result

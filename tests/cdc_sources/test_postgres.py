@@ -23,6 +23,7 @@ import pytest
 
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableWork, run_tables
+from checks.table_checks import MIRROR_CHECKS
 from devtools import kafka_connect
 from resources.lake import LakeResource
 from tests.cdc_sources.source import Capture, at_hour, mirror_live_rows, source_rows
@@ -275,7 +276,9 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                 hours = [KEYS[h] for h in order]
                 work.append(TableWork(spec.model_copy(update={"name": name}), hours))
                 mirrors[name] = (capture, order, judged, expected)
-        runs = run_tables(spark=spark, kafka=kafka, lake=lake, work=work, parallelism=2)
+        runs = run_tables(
+            checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, work=work, parallelism=2
+        )
 
         for run in runs:
             capture, order, judged, expected = mirrors[run.spec.name]

@@ -11,9 +11,9 @@ import pytest
 from kafka import KafkaAdminClient, TopicPartition
 
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import build_retention_check_for, build_table_asset
+from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
-from checks.table_checks import evaluate_run_checks
+from checks.table_checks import MIRROR_CHECKS, build_retention_check_for, evaluate_run_checks
 from demo.reference import replay
 from tests.faults.figures import compare, record
 from tests.support import diff_rows, mirror_rows, read_topic
@@ -63,7 +63,9 @@ def hour(spark, kafka, lake):
     """hour(spec, key): runs one hour and evaluates its checks; returns (result, checks)."""
 
     def _hour(spec: TableSpec, key: str = KEYS[0], target=lake):
-        result = run_hour(spark=spark, kafka=kafka, lake=target, spec=spec, hour_key=key)
+        result = run_hour(
+            checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=target, spec=spec, hour_key=key
+        )
         checks = evaluate_run_checks(
             spark=spark, spec=spec, path=target.table_path(spec.name), result=result
         )
@@ -317,7 +319,7 @@ def test_a_failed_blocking_check_stops_downstream_in_a_real_run(
     send(topic, _key(1), _change("c", 1, 10, name=None), _ms(HOUR))
     send(topic, _key(2), _change("c", 2, 11, name="ok"), _ms(HOUR + timedelta(hours=1)))
     send(topic, _key(3), _change("c", 3, 12, name="ok"), _ms(HOUR + timedelta(hours=2)))
-    mirror = build_table_asset(spec=spec)
+    mirror = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     retention = build_retention_check_for(spec=spec)
 
     @dg.asset(deps=[mirror.key], partitions_def=mirror.partitions_def)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cdc_assets.config import ExpectationSpec, RetentionPolicy, TableSpec, load_tables
-from cdc_assets.factory import build_retention_check_for, build_table_asset, hourly_partitions
+from cdc_assets.factory import build_table_asset, hourly_partitions
 from checks.invariants import RETENTION_RISK
 from checks.report import (
     FAILED_ERROR,
@@ -28,7 +28,7 @@ from checks.report import (
     main,
     plain_metadata,
 )
-from checks.table_checks import run_check_specs
+from checks.table_checks import MIRROR_CHECKS, build_retention_check_for, run_check_specs
 from tests.support import FIRST_HOUR, demo_specs, hour_keys, seed_demo
 
 H1, H2, H3 = hour_keys(FIRST_HOUR, 3)
@@ -270,7 +270,10 @@ def test_report_reads_what_the_hourly_runs_recorded(
     with dg.instance_for_test(temp_dir=str(home)) as instance:
         for key in (H1, H2):
             result = dg.materialize(
-                [build_table_asset(spec=spec), build_retention_check_for(spec=spec)],
+                [
+                    build_table_asset(checks=MIRROR_CHECKS, spec=spec),
+                    build_retention_check_for(spec=spec),
+                ],
                 partition_key=key,
                 resources=resources,
                 instance=instance,

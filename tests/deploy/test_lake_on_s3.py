@@ -11,6 +11,7 @@ import pytest
 from dagster_aws.s3 import S3Resource
 
 from cdc_assets.factory import build_table_asset
+from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource, s3_resource_from_env, s3a_settings
 from tests.conftest import S3_SECRET_ENV
 from tests.faults.table import hour_key, spec
@@ -103,7 +104,7 @@ def test_a_wrong_s3_setup_fails_the_run_before_reading_naming_the_fix(
 ):
     # The run stops at the lake, before it asks Kafka anything: the topic needn't exist.
     table = spec(f"{topic_prefix}.accounts")
-    asset = build_table_asset(spec=table)
+    asset = build_table_asset(checks=MIRROR_CHECKS, spec=table)
 
     def run(lake: LakeResource) -> str:
         result = dg.materialize(

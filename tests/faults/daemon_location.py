@@ -3,7 +3,7 @@
 tests.faults.daemon_location`.
 
 `defs` is the project's Definitions over the tables file in CDC_TABLES_FILE, as
-`cdc_assets.definitions` builds them, with the offset sensor allowed to tick every
+`code_location.definitions` builds them, with the offset sensor allowed to tick every
 SENSOR_INTERVAL_S (the sensor daemon looks at its sensors every 5 s anyway), and each run's
 Spark session made as the crash scenarios' children make theirs (`hour_child.spark_resource`:
 local[1], the quick JIT compiler, its scratch space next to DAGSTER_HOME): every run starts a
@@ -51,8 +51,8 @@ class PausingRunCoordinator(dg.QueuedRunCoordinator):
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    from cdc_assets.config import load_tables
-    from cdc_assets.definitions import TABLES_FILE_ENV, build_definitions
+    from cdc_assets.config import TABLES_FILE_ENV, load_tables
+    from code_location.definitions import build_definitions
     from tests.faults.hour_child import spark_resource
 
     built = build_definitions(

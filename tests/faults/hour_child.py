@@ -25,6 +25,7 @@ import dagster as dg
 
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
+from checks.table_checks import MIRROR_CHECKS
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
@@ -63,7 +64,7 @@ def main(workdir: Path) -> int:
     spec = TableSpec.model_validate_json(job["spec"])
     try:
         result = dg.materialize(
-            [build_table_asset(spec=spec)],
+            [build_table_asset(checks=MIRROR_CHECKS, spec=spec)],
             partition_key=job["hour_key"],
             instance=instance,
             resources={

@@ -16,6 +16,7 @@ from kafka import KafkaProducer
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
+from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay
 from tests.support import accounts_spec, read_records
 
@@ -218,7 +219,13 @@ def runner(spark, kafka, lake, spec_: TableSpec):
 
     def run(hour: int, **options):
         return run_hour(
-            spark=spark, kafka=kafka, lake=lake, spec=spec_, hour_key=hour_key(hour), **options
+            checks=MIRROR_CHECKS,
+            spark=spark,
+            kafka=kafka,
+            lake=lake,
+            spec=spec_,
+            hour_key=hour_key(hour),
+            **options,
         )
 
     return run

@@ -19,10 +19,11 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from cdc_assets.commits import hour_history
 from cdc_assets.config import CheckPolicy
-from cdc_assets.factory import build_retention_check_for, build_table_asset
+from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import TruncateError, hour_start, run_hour
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
+from checks.table_checks import MIRROR_CHECKS, build_retention_check_for
 from resources.lake import LakeResource
 from tests.faults import table
 from tests.faults.figures import Comparison, compare, record
@@ -40,6 +41,7 @@ def scenario(broker, kafka, spark, create_topic, lake):
 
         def run(hour: int, lake: LakeResource = lake, **options):
             return run_hour(
+                checks=MIRROR_CHECKS,
                 spark=spark,
                 kafka=kafka,
                 lake=lake,
@@ -220,7 +222,7 @@ def test_offsets_deleted_before_an_hour_ran(broker, scenario, kafka, spark, spar
         run(1)
     # The retention-risk check, re-run on hour 0, shows it can no longer be replayed either.
     retention = build_retention_check_for(spec=spec)
-    asset = build_table_asset(spec=spec)
+    asset = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     selection = dg.AssetSelection.checks(retention)
     partitions = asset.partitions_def
     recheck = dg.define_asset_job("recheck", selection=selection, partitions_def=partitions)

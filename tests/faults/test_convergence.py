@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableWork, run_tables
+from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource
 from tests.faults import table
 from tests.faults.figures import Comparison, compare, record
@@ -147,6 +148,7 @@ def test_any_schedule_of_hours_converges_to_the_reference(
         lake = LakeResource(root=str(tmp_path / f"schedule{cases}"))
         mirrors = [_mirror(spec, n) for n in range(len(schedule))]
         outcomes = run_tables(
+            checks=MIRROR_CHECKS,
             spark=spark,
             kafka=kafka,
             lake=lake,

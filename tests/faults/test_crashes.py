@@ -45,6 +45,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
+from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay
 from devtools import kafka_broker
 from resources.kafka import KafkaResource
@@ -456,6 +457,7 @@ def kills(children, crash_hours, broker, spark_resource, tmp_path_factory) -> Ki
     root = tmp_path_factory.mktemp("kills")
     template = LakeResource(root=str(root / "template"))
     run_hour(
+        checks=MIRROR_CHECKS,
         spark=spark_resource.session,
         kafka=KafkaResource(bootstrap_servers=broker),
         lake=template,
@@ -511,7 +513,7 @@ def _rerun_in_dagster(attempt: Attempt, spec, broker, spark_resource) -> None:
     instance = dg.DagsterInstance.local_temp(tempdir=str(attempt.home))
     try:
         result = dg.materialize(
-            [build_table_asset(spec=spec)],
+            [build_table_asset(checks=MIRROR_CHECKS, spec=spec)],
             partition_key=KEY,
             instance=instance,
             resources={
@@ -619,6 +621,7 @@ def test_a_broker_restarted_mid_read_fails_the_run_cleanly_or_not_at_all(
         spark.sparkContext.setJobGroup(group, "the hour the broker restarts under")
         try:
             outcome["result"] = run_hour(
+                checks=MIRROR_CHECKS,
                 spark=spark,
                 kafka=SlowFetchKafka(bootstrap_servers=bootstrap),
                 lake=lake,
@@ -659,7 +662,7 @@ def test_a_broker_restarted_mid_read_fails_the_run_cleanly_or_not_at_all(
 
     # Whichever way the run went, running the hour again gives the reference.
     kafka = KafkaResource(bootstrap_servers=bootstrap)
-    run_hour(spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
+    run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
     comparison = compare(
         spark, lake.table_path(spec.name), spec, reference.expected, reference.seen
     )

@@ -39,6 +39,7 @@ from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
 from cdc_assets.masking import MASKING_FIELD, mask_changes, stored_spec
 from cdc_assets.sealing import ErrorTableSealingError, sealing_key, unsealed_errors
+from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource
 from tests.faults.figures import compare, record
@@ -186,7 +187,7 @@ def test_sensitive_columns_are_masked_and_never_leak(
     for partition in (0, 1):
         send(topic, b'{"id":1000}', b"{}", base + 3_600_000 + 1_000, partition=partition)
 
-    asset = build_table_asset(spec=spec)
+    asset = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     instance = dg.DagsterInstance.ephemeral()
     resources = {
         "kafka": kafka,
@@ -349,11 +350,13 @@ def test_spark_workers_seal_the_error_rows_and_a_raw_error_table_is_refused(
         ERROR_TABLE_SCHEMA
     ).execute()
     with pytest.raises(ErrorTableSealingError, match="table 'patients', setting 'sensitive'"):
-        run_hour(**run, masking_key=masking_key, local_read_max_records=0)
+        run_hour(checks=MIRROR_CHECKS, **run, masking_key=masking_key, local_read_max_records=0)
     assert not DeltaTable.isDeltaTable(spark, lake.table_path(spec.name))  # nothing written
 
     shutil.rmtree(errors_path)
-    result = run_hour(**run, masking_key=masking_key, local_read_max_records=0)
+    result = run_hour(
+        checks=MIRROR_CHECKS, **run, masking_key=masking_key, local_read_max_records=0
+    )
     assert result.counts.errors == 1 and result.counts.consumed == 1
     hits = _hits(_every_value(spark, errors_path) + _files(Path(errors_path)), {secret_email, key})
     assert not hits, hits

@@ -18,6 +18,7 @@ import pytest
 
 from cdc_assets import merge
 from cdc_assets.hour_run import run_hour
+from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource
 from tests.faults import table
 from tests.faults.figures import compare, record
@@ -36,7 +37,12 @@ def scenario(broker, kafka, spark, create_topic, lake):
 
         def run(hour: int, on: LakeResource = lake):
             return run_hour(
-                spark=spark, kafka=kafka, lake=on, spec=spec, hour_key=table.hour_key(hour)
+                checks=MIRROR_CHECKS,
+                spark=spark,
+                kafka=kafka,
+                lake=on,
+                spec=spec,
+                hour_key=table.hour_key(hour),
             )
 
         def check(on: LakeResource = lake, upto_hour: int | None = None):
@@ -177,6 +183,7 @@ def _concurrent_run(bootstrap, spec_json, lake_root, hour_key, barrier, results)
     spark = SparkResource(master="local[1]", shuffle_partitions=2, driver_memory="512m").session
     try:
         run_hour(
+            checks=MIRROR_CHECKS,
             spark=spark,
             kafka=KafkaResource(bootstrap_servers=bootstrap),
             lake=LakeResource(root=lake_root),

@@ -38,6 +38,7 @@ from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import run_hour
 from cdc_assets.read import read_slice
 from cdc_assets.slicing import HourSlice, PartitionSlice
+from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay
 from devtools import kafka_broker
 from resources.kafka import KafkaAuthenticationError, KafkaResource
@@ -287,7 +288,7 @@ def test_pipeline_reads_over_sasl_scram_tls_and_the_password_leaks_nowhere(
         # driver's kafka-python client logs in over SASL for the offsets as well.
         spark_reads = SparkResource(**{**spark_resource.model_dump(), "local_read_max_records": 0})
         result = dg.materialize(
-            [build_table_asset(spec=spec)],
+            [build_table_asset(checks=MIRROR_CHECKS, spec=spec)],
             partition_key=KEY,
             resources={"kafka": kafka, "spark": spark_reads, "lake": lake},
             instance=instance,
@@ -394,6 +395,7 @@ def test_a_wrong_password_fails_in_bounded_time_naming_the_sasl_failure(
     started = time.monotonic()
     with pytest.raises(KafkaAuthenticationError) as refused:
         run_hour(
+            checks=MIRROR_CHECKS,
             spark=spark,
             kafka=bad,
             lake=LakeResource(root=str(tmp_path / "lake")),

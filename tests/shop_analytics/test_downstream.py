@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import ExpectationSpec
 from cdc_assets.factory import build_mirror_assets, build_table_asset
+from checks.table_checks import MIRROR_CHECKS
 from shop_analytics.assets import (
     DAILY_SALES_CONDITION,
     ORDER_FACTS_CONDITION,
@@ -62,7 +63,7 @@ def _resources(kafka, spark_resource, lake):
 
 def _assets(specs):
     order_facts, daily_sales = build_downstream_assets(specs)
-    return build_mirror_assets(specs), order_facts, daily_sales
+    return build_mirror_assets(specs, checks=MIRROR_CHECKS), order_facts, daily_sales
 
 
 def _metadata(result, asset: str) -> dict[str, dict]:
@@ -333,7 +334,10 @@ def test_only_built_for_the_shop_tables(topic_prefix):
         assert asset.op.pool == f"downstream_{asset.key.path[-1]}"
         assert set(asset.specs_by_key[asset.key].kinds) == {"spark", "delta"}
     orders = next(s for s in specs if s.name == "orders")
-    assert order_facts.partitions_def == build_table_asset(spec=orders).partitions_def
+    assert (
+        order_facts.partitions_def
+        == build_table_asset(checks=MIRROR_CHECKS, spec=orders).partitions_def
+    )
     broken = [
         s.model_copy(update={"columns": {k: v for k, v in s.columns.items() if k != "country"}})
         if s.name == "customers"

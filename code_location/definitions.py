@@ -1,6 +1,9 @@
-"""The one Definitions object: a mirror and a maintenance asset per configured table, the
-schedule of the maintenance, the offset sensor, the demo shop's analytics (shop_analytics/) when
-its tables are mirrored, and the resources."""
+"""The code location: the one Definitions object, a mirror and a maintenance asset per
+configured table with its checks, the schedule of the maintenance, the offset sensor, the demo
+shop's analytics (shop_analytics/) when its tables are mirrored, and the resources.
+
+The only module that puts every package together: the mirror (cdc_assets) receives its checks
+(checks) here, so no package below imports one above it (tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import os
 
 import dagster as dg
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
-from cdc_assets.factory import build_mirror_assets, build_retention_check_for
+from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
+from cdc_assets.factory import build_mirror_assets
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
+from checks.table_checks import MIRROR_CHECKS, build_retention_check_for
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
 from resources.masking import MASKING_KEY_ENV, MaskingResource
@@ -18,8 +22,6 @@ from resources.spark import SparkResource
 from sensors.offset_progress import build_offset_sensor
 from shop_analytics.assets import build_downstream_assets
 from shop_analytics.sensors import build_downstream_sensor
-
-TABLES_FILE_ENV = "CDC_TABLES_FILE"
 
 
 def build_definitions(
@@ -32,7 +34,7 @@ def build_definitions(
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
     maintenance = [build_maintenance_asset(spec) for spec in specs]
     return dg.Definitions(
-        assets=[*build_mirror_assets(specs), *downstream, *maintenance],
+        assets=[*build_mirror_assets(specs, checks=MIRROR_CHECKS), *downstream, *maintenance],
         asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
         sensors=[
             # One sensor for every table: one Kafka read per tick, one run per closed hour.

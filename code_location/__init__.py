@@ -1,0 +1,1 @@
+"""The Dagster code location: every package put together (definitions.py)."""
