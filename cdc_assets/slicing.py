@@ -142,13 +142,17 @@ def open_reason(
 
 
 def open_transactions(
-    consumer: KafkaConsumer, stable_ends: Mapping[TopicPartition, int]
+    consumer: KafkaConsumer,
+    stable_ends: Mapping[TopicPartition, int],
+    *,
+    timeout_ms: int | None = None,
 ) -> set[TopicPartition]:
     """Partitions whose last stable offset (read_committed end) lies below the high watermark.
 
     `consumer` must read uncommitted, so that its end offsets are the high watermarks.
+    `timeout_ms`: how long the lookup may take (default: the consumer's request timeout).
     """
-    high_watermarks = consumer.end_offsets(list(stable_ends))
+    high_watermarks = consumer.end_offsets(list(stable_ends), timeout_ms=timeout_ms)
     return {tp for tp, stable in stable_ends.items() if high_watermarks[tp] > stable}
 
 

@@ -48,6 +48,9 @@ def _keep_records_out_of_logs() -> None:
             logger.addFilter(_RECORDS_FILTER)
 
 
+# kafka-python requires request_timeout_ms above fetch_max_wait_ms (500 ms by default).
+_MIN_REQUEST_TIMEOUT_MS = 1_000
+
 _LOGIN_MODULES = {
     "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
     "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
@@ -129,18 +132,26 @@ class KafkaResource(dg.ConfigurableResource):
             settings["ssl_cafile"] = self.ssl_cafile
         return settings
 
-    def consumer(self, *, committed: bool = True) -> KafkaConsumer:
+    def consumer(self, *, committed: bool = True, timeout_ms: int | None = None) -> KafkaConsumer:
         """A consumer for offset lookups only: no group, no commits, committed reads.
 
         `committed=False` reads uncommitted, to see high watermarks (open transactions).
+        `timeout_ms` caps its bootstrap and each request below `request_timeout_ms` (the offset
+        sensor gives it the time its tick has left).
         """
         _keep_records_out_of_logs()
-        with self._explained_bootstrap():
+        settings = self._client_settings()
+        if timeout_ms is not None:
+            settings["bootstrap_timeout_ms"] = min(settings["bootstrap_timeout_ms"], timeout_ms)
+            settings["request_timeout_ms"] = min(
+                settings["request_timeout_ms"], max(timeout_ms, _MIN_REQUEST_TIMEOUT_MS)
+            )
+        with self._explained_bootstrap(settings["bootstrap_timeout_ms"]):
             return KafkaConsumer(
                 enable_auto_commit=False,
                 group_id=None,
                 isolation_level="read_committed" if committed else "read_uncommitted",
-                **self._client_settings(),
+                **settings,
             )
 
     def producer(self) -> KafkaProducer:
@@ -151,7 +162,7 @@ class KafkaResource(dg.ConfigurableResource):
             return KafkaProducer(acks="all", **self._client_settings())
 
     @contextlib.contextmanager
-    def _explained_bootstrap(self) -> Iterator[None]:
+    def _explained_bootstrap(self, bootstrap_timeout_ms: int | None = None) -> Iterator[None]:
         """Names the login settings when a SASL client can't bootstrap.
 
         kafka-python reports a refused login only as a bootstrap timeout ("socket
@@ -166,7 +177,8 @@ class KafkaResource(dg.ConfigurableResource):
             raise KafkaAuthenticationError(
                 f"Kafka at {self.bootstrap_servers}: no broker completed the SASL "
                 f"{self.sasl_mechanism} login of user '{self.sasl_username}' within "
-                f"{self.request_timeout_ms} ms ({exc}). A refused password ends this way: check "
+                f"{bootstrap_timeout_ms or self.request_timeout_ms} ms ({exc}). A refused "
+                "password ends this way: check "
                 "the kafka resource's sasl_username, sasl_password and sasl_mechanism, its "
                 "ssl_cafile, and that the brokers are reachable."
             ) from exc

@@ -49,7 +49,8 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import MIRRORS_POOL
 from resources.lake import LakeResource
-from sensors.offset_progress import Cursor, FleetCursor, hour_key
+from sensors.cursor import Cursor, FleetCursor
+from sensors.hours import hour_key
 from tests.dagster_ui import Service, start_service, stop_service, wait_for
 from tests.faults import table
 from tests.faults.daemon_location import PAUSE_ENV, PAUSED_FILE

@@ -6,7 +6,7 @@ sensor tick by tick, passing the cursor on as the daemon does.
 
 from __future__ import annotations
 
-import json
+import socket
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -15,18 +15,11 @@ import pytest
 from kafka import KafkaProducer
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import hour_start
 from cdc_assets.slicing import compute_slice
 from resources.kafka import KafkaResource
-from sensors.offset_progress import (
-    RANGE_END_TAG,
-    RANGE_START_TAG,
-    Cursor,
-    FleetCursor,
-    KafkaUnavailableError,
-    build_offset_sensor,
-    with_deadline,
-)
+from sensors.cursor import FleetCursor
+from sensors.offset_progress import RANGE_END_TAG, RANGE_START_TAG, build_offset_sensor
+from sensors.topic_reads import KafkaUnavailableError
 from tests.conftest import _free_port
 
 pytestmark = pytest.mark.integration
@@ -63,8 +56,14 @@ def _at(hour: int, minutes: int) -> int:
 class Ticks:
     """Evaluates one table's sensor repeatedly, carrying the cursor like the daemon."""
 
-    def __init__(self, spec: TableSpec, kafka: KafkaResource, instance: dg.DagsterInstance):
-        self.sensor = build_offset_sensor(specs=[spec])
+    def __init__(
+        self,
+        spec: TableSpec,
+        kafka: KafkaResource,
+        instance: dg.DagsterInstance,
+        **sensor_options,
+    ):
+        self.sensor = build_offset_sensor(specs=[spec], **sensor_options)
         self.name = spec.name
         self.kafka, self.instance, self.cursor = kafka, instance, None
 
@@ -241,14 +240,26 @@ def test_a_kafka_that_does_not_answer_fails_the_tick_fast_and_clearly(instance):
     assert "cursor kept" in message
 
 
-def test_a_read_that_hangs_is_abandoned_at_the_deadline():
-    with pytest.raises(KafkaUnavailableError, match="did not answer within 0.2 s"):
-        with_deadline(0.2, "table 't'", lambda: time.sleep(3))
-
-
-def test_the_cursor_round_trips():
-    cursor = Cursor(watch_from=KEYS[1], requested={KEYS[2]: "0:1-2"})
-    assert Cursor.parse(cursor.dump()) == cursor
-    assert json.loads(cursor.dump())["watch_from"] == KEYS[1]
-    assert Cursor.parse(None) == Cursor()
-    assert hour_start(KEYS[0]) == H[0]
+def test_a_kafka_that_accepts_connections_but_never_answers_fails_the_tick_at_its_timeout(
+    instance,
+):
+    """A listening socket that never answers: the bootstrap hangs until the tick's time is up
+    (kafka-python's own timeout, capped to the tick's), well before the resource's 30 s."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        servers = f"127.0.0.1:{silent.getsockname()[1]}"
+        spec = _spec("silent", lateness=0)
+        started = time.monotonic()
+        with pytest.raises(KafkaUnavailableError) as failure:
+            Ticks(
+                spec,
+                KafkaResource(bootstrap_servers=servers, request_timeout_ms=30_000),
+                instance,
+                kafka_timeout_seconds=2,
+            ).tick()
+        elapsed = time.monotonic() - started
+    assert 2 <= elapsed < 6
+    message = str(failure.value)
+    assert "did not answer within 2 s" in message
+    assert "table 'silent'" in message and servers in message and "cursor kept" in message

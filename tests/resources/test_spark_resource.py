@@ -1,0 +1,71 @@
+"""SparkResource's session configuration (no session started): what the project's results
+rest on, the jars it finds, and the S3 pieces it adds only when they were resolved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resources.spark import (
+    CONDITIONAL_PUT_LOG_STORE,
+    LOG_STORE_CONF,
+    SparkJarsMissingError,
+    SparkResource,
+    log_store_jar,
+    s3_class_path,
+    spark_jars,
+)
+
+JARS = ("delta-spark_4.2_2.13-4.4.0.jar", "spark-sql-kafka-0-10_2.13-4.2.0.jar", "x.jar")
+
+
+def _dir(path: Path, *names: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (path / name).touch()
+    return path
+
+
+def test_the_session_is_set_up_for_delta_utc_and_redacted_secrets(tmp_path):
+    spark = SparkResource(
+        jars_dir=str(_dir(tmp_path / "jars", *JARS)),
+        s3_jars_dir=str(tmp_path / "none"),
+        shuffle_partitions=3,
+        extra_conf={"spark.sql.shuffle.partitions": "5", "spark.x": "y"},
+    )
+    conf = spark.spark_config()
+    assert conf["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
+    assert conf["spark.sql.catalog.spark_catalog"].endswith("DeltaCatalog")
+    assert conf["spark.sql.session.timeZone"] == "UTC"
+    assert "password" in conf["spark.redaction.regex"] and "jaas" in conf["spark.redaction.regex"]
+    assert conf["spark.scheduler.mode"] == "FAIR"
+    assert conf["spark.jars"].split(",") == [str(tmp_path / "jars" / j) for j in sorted(JARS)]
+    # extra_conf has the last word.
+    assert (conf["spark.sql.shuffle.partitions"], conf["spark.x"]) == ("5", "y")
+    assert "spark.driver.extraClassPath" not in conf and LOG_STORE_CONF not in conf
+
+
+def test_missing_jars_name_the_command_that_resolves_them(tmp_path):
+    with pytest.raises(SparkJarsMissingError, match=r"spark-sql-kafka-.*mvn -q package"):
+        spark_jars(_dir(tmp_path / "jars", JARS[0]))
+
+
+def test_the_s3_jars_go_on_the_class_path_with_the_conditional_put_log_store(tmp_path):
+    s3 = _dir(tmp_path / "s3", "hadoop-aws-3.5.0.jar", "bundle-2.35.4.jar")
+    store = _dir(
+        tmp_path / "store", "conditional-put-log-store-a.jar", "conditional-put-log-store-b.jar"
+    )
+    assert log_store_jar(store) == str(store / "conditional-put-log-store-b.jar")
+    conf = SparkResource(
+        jars_dir=str(_dir(tmp_path / "jars", *JARS)), s3_jars_dir=str(s3), log_store_dir=str(store)
+    ).spark_config()
+    assert conf["spark.driver.extraClassPath"] == conf["spark.executor.extraClassPath"] == f"{s3}/*"
+    assert conf["spark.jars"].split(",")[-1] == str(store / "conditional-put-log-store-b.jar")
+    assert conf[LOG_STORE_CONF] == CONDITIONAL_PUT_LOG_STORE
+    assert s3_class_path(tmp_path / "none") is None and log_store_jar(tmp_path / "none") is None
+
+
+def test_hadoop_aws_of_another_hadoop_than_pysparks_is_refused(tmp_path):
+    with pytest.raises(SparkJarsMissingError, match=r"hadoop-aws-1\.0\.0\.jar .* does not match"):
+        s3_class_path(_dir(tmp_path / "s3", "hadoop-aws-1.0.0.jar"))
