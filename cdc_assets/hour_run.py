@@ -7,7 +7,7 @@ asset turns its `HourResult` into materialization metadata.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -334,25 +334,10 @@ def _apply_hour(
     check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     ingested_at = datetime.now(UTC)
     local = hour_slice.size <= local_read_max_records
-    if local:
-        consumer = kafka.consumer()
-        try:
-            records: DataFrame | pa.RecordBatch = read_slice_locally(consumer, hour_slice)
-        finally:
-            consumer.close()
-    else:
-        records = read_slice(spark, kafka.spark_options(), hour_slice)
-    # Columns the mirror gained earlier, then any the hour's rows bring (decoded again for them:
-    # only the hour a column first appears pays that second read).
-    added = added_columns(stored_schema, spec)  # `ignore` stops new ones, not these
-    batch = _decode(spark, records, spec, hour_key, added, masking_key)
-    new = added_column_types(batch.shape, [*spec.columns, *added])
-    # On a table with sensitive columns an undeclared one waits for a declaration (masking.py).
-    withheld = tuple(sorted(new)) if spec.sensitive else ()
-    if spec.new_columns == "add" and new and not withheld:
-        batch.frame.unpersist()
-        added |= new
-        batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    records = _read(spark, kafka, hour_slice, local)
+    batch, added, withheld = _decode_with_new_columns(
+        spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key
+    )
     # A slice read here is a local relation: every frame derived from it is cheap to compute
     # again and deterministic, so nothing is cached and the MERGE takes it as it is. A slice
     # Spark read is cached once decoded, and the MERGE materializes its source (Delta's auto).
@@ -363,41 +348,19 @@ def _apply_hour(
     spec = stored.model_copy(update={"columns": {**stored.columns, **added}})
     tally, frames = batch.tally, [batch.frame]
     try:
-        decoded = batch.frame
-        # Audit: hard expectations hold failing changes back, into the error table.
-        audit = checks.audit(spark, spec, decoded.where(applicable()))
-        newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
-        errors, reasons = tally.errors, dict(tally.reasons)
-        if audit is not None and audit.failed is not None:
-            decoded = keep(
-                decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
-                .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
-                .drop("_cdc_expectation")
-            )
+        held = _hold_back(spark, spec, batch, checks, keep)
+        decoded = held.decoded
+        if decoded is not batch.frame:
             frames.append(decoded)
-            errors += sum(audit.reasons.values())
-            for reason, n in audit.reasons.items():
-                reasons[reason] = reasons.get(reason, 0) + n
-            # The changes held back are not in the mirror: its newest source time without them.
-            newest_ms = (
-                decoded.where(F.col(ERROR).isNull()).agg(F.unix_millis(F.max(SOURCE_TS))).first()[0]
-            )
         if tally.truncates and spec.on_truncate == "fail":
             _fail_on_truncate(spec, hour_key, tally)
-        good = decoded.where(applicable())
         hour_truncate = tally.truncate_sequence if tally.truncates else None
-        watermark = truncate_watermark(history, hour_truncate)
-        older_than_truncate = 0
-        if watermark is not None:
-            # A change older than a truncate is gone from the source, whenever its hour runs.
-            bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
-            older_than_truncate = good.where(F.col(SEQUENCE) < bound).count()
-            good = good.where(F.col(SEQUENCE) > bound)
+        good, older_than_truncate = _after_truncates(decoded, history, hour_truncate)
         # The hour's keys counted on the batch, apart from the newest-change-per-key step
         # (the MERGE's source) that Delta counts: the accounting compares the two.
         distinct_keys = good.select(*spec.primary_key).distinct().count()
-        if errors:
-            _fail_on_sequence_mismatch(spec, hour_key, reasons, tally)
+        if held.errors:
+            _fail_on_sequence_mismatch(spec, hour_key, held.reasons, tally)
             write_errors(
                 spark,
                 spec,
@@ -406,16 +369,14 @@ def _apply_hour(
                 hour_key=hour_key,
                 ingested_at=ingested_at,
             )
-        commit = {
-            "hour": hour_key,
-            "slice": hour_slice.as_dict(),
-            "partial": not hour_slice.closed,
-            "consumed": tally.records,
-            "tombstones": tally.tombstones,
-            "errors": errors,
-            "pipeline": "cdc-lake",
-            MIRROR_NEWEST: _newer(prior_newest, newest_ms),
-        }
+        commit = _run_record(
+            hour_key,
+            hour_slice,
+            consumed=tally.records,
+            tombstones=tally.tombstones,
+            errors=held.errors,
+            mirror_newest=_newer(prior_newest, held.newest_ms),
+        )
         if hour_truncate is not None:
             commit["truncated_before"] = hour_truncate
         # The newest change per key: the MERGE's source and what the expectations judge.
@@ -423,7 +384,6 @@ def _apply_hour(
         frames.append(latest)
         if not local:
             latest.count()  # fills the cache once: the queries below read it twice each
-        bounds = key_range(spec, tally)
         with merge_source(spark, materialized=not local):
             outcome = merge_changes(
                 spark,
@@ -437,7 +397,7 @@ def _apply_hour(
                     if hour_truncate is None
                     else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
                 ),
-                key_range=bounds,
+                key_range=key_range(spec, tally),
                 ledger=ledger,
             )
         version = outcome.version if outcome.version is not None else last_version
@@ -460,7 +420,7 @@ def _apply_hour(
     # decoder, which takes every row it gives), superseded on the batch, applied and stale by
     # Delta (operationMetrics); truncate records count as applied, changes older than a truncate
     # as stale.
-    changes = tally.changes - (errors - tally.errors)  # the audit's held-back are errors
+    changes = tally.changes - (held.errors - tally.errors)  # the audit's held-back are errors
     consumed = records.num_rows if local else tally.records
     census = (
         offset_census(kafka, hour_slice, None if local else spark)
@@ -477,7 +437,7 @@ def _apply_hour(
             superseded=changes - older_than_truncate - distinct_keys,
             stale=outcome.merged_keys - outcome.applied + older_than_truncate,
             tombstones=tally.tombstones,
-            errors=errors,
+            errors=held.errors,
             distinct_keys=distinct_keys,
             merge_source_rows=outcome.merged_keys,
             census=census,
@@ -487,17 +447,132 @@ def _apply_hour(
         rows_deleted=outcome.rows_deleted,
         delta_version=version,
         partial=not hour_slice.closed,
-        newest_source_ts=_from_ms(newest_ms),
+        newest_source_ts=_from_ms(held.newest_ms),
         finished_at=datetime.now(UTC),
-        error_reasons=reasons,
+        error_reasons=held.reasons,
         merge_version=outcome.version,
         previous_end=previous_end,
         source_fields=batch.shape,
-        audit=audit,
+        audit=held.audit,
         expectations=tuple(expectations),
         mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
         withheld_columns=withheld if spec.new_columns == "add" else (),
     )
+
+
+def _run_record(
+    hour_key: str,
+    hour_slice: HourSlice,
+    *,
+    consumed: int,
+    tombstones: int,
+    errors: int,
+    mirror_newest: int | None,
+) -> dict:
+    """What every run's commit records (the ledger, `cdc_assets.commits`): its hour, slice and
+    counts, and the mirror's newest source time (ms) as a running maximum."""
+    return {
+        "hour": hour_key,
+        "slice": hour_slice.as_dict(),
+        "partial": not hour_slice.closed,
+        "consumed": consumed,
+        "tombstones": tombstones,
+        "errors": errors,
+        "pipeline": "cdc-lake",
+        MIRROR_NEWEST: mirror_newest,
+    }
+
+
+def _after_truncates(
+    decoded: DataFrame, history: list[dict], hour_truncate: int | None
+) -> tuple[DataFrame, int]:
+    """The applicable changes newer than the table's newest truncate (this hour's or an earlier
+    one's, recorded in `history`), and how many were older: a change older than a truncate is
+    gone from the source, whenever its hour runs."""
+    good = decoded.where(applicable())
+    watermark = truncate_watermark(history, hour_truncate)
+    if watermark is None:
+        return good, 0
+    bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
+    return good.where(F.col(SEQUENCE) > bound), good.where(F.col(SEQUENCE) < bound).count()
+
+
+def _read(
+    spark: SparkSession, kafka: KafkaResource, hour_slice: HourSlice, local: bool
+) -> DataFrame | pa.RecordBatch:
+    """The slice's records: read in this process when `local`, else by Spark's Kafka source."""
+    if not local:
+        return read_slice(spark, kafka.spark_options(), hour_slice)
+    consumer = kafka.consumer()
+    try:
+        return read_slice_locally(consumer, hour_slice)
+    finally:
+        consumer.close()
+
+
+def _decode_with_new_columns(
+    spark: SparkSession,
+    records: DataFrame | pa.RecordBatch,
+    spec: TableSpec,
+    hour_key: str,
+    added: dict[str, str],
+    masking_key: HmacKey | None,
+) -> tuple[DecodedSlice, dict[str, str], tuple[str, ...]]:
+    """The decoded hour, the undeclared columns the mirror takes (`added`: the ones it gained
+    earlier, then any the hour's rows bring under `new_columns: add`), and the new ones it
+    withholds (a table with sensitive columns: they wait for a declaration, masking.py).
+
+    A column the hour brings is decoded again for it: only the hour it first appears pays that
+    second decode. `new_columns: ignore` stops new columns, not the ones already added.
+    """
+    batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    new = added_column_types(batch.shape, [*spec.columns, *added])
+    withheld = tuple(sorted(new)) if spec.sensitive else ()
+    if spec.new_columns == "add" and new and not withheld:
+        batch.frame.unpersist()
+        added = {**added, **new}
+        batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    return batch, added, withheld
+
+
+@dataclass(frozen=True)
+class HeldBack:
+    """The hour after its audit: the decoded changes with the failing ones marked as errors,
+    the errors and their reasons (the decoder's and the audit's), and the newest source time of
+    the changes the mirror takes (ms)."""
+
+    decoded: DataFrame
+    audit: AuditVerdict | None
+    errors: int
+    reasons: dict[str, int]
+    newest_ms: int | None
+
+
+def _hold_back(
+    spark: SparkSession,
+    spec: TableSpec,
+    batch: DecodedSlice,
+    checks: MirrorChecks,
+    keep: Callable[[DataFrame], DataFrame],
+) -> HeldBack:
+    """The audit: the hard expectations hold failing changes back, into the error table."""
+    tally, decoded = batch.tally, batch.frame
+    audit = checks.audit(spark, spec, decoded.where(applicable()))
+    newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
+    errors, reasons = tally.errors, dict(tally.reasons)
+    if audit is None or audit.failed is None:
+        return HeldBack(decoded, audit, errors, reasons, newest_ms)
+    decoded = keep(
+        decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
+        .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
+        .drop("_cdc_expectation")
+    )
+    errors += sum(audit.reasons.values())
+    for reason, n in audit.reasons.items():
+        reasons[reason] = reasons.get(reason, 0) + n
+    # The changes held back are not in the mirror: its newest source time without them.
+    newest_ms = decoded.where(F.col(ERROR).isNull()).agg(F.unix_millis(F.max(SOURCE_TS))).first()[0]
+    return HeldBack(decoded, audit, errors, reasons, newest_ms)
 
 
 def applicable() -> Column:
@@ -676,16 +751,9 @@ def _empty_hour(
 ) -> HourResult:
     """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
     metadata-only commit, as every run's is, so the next hour starts where it ended."""
-    commit = {
-        "hour": hour_key,
-        "slice": hour_slice.as_dict(),
-        "partial": not hour_slice.closed,
-        "consumed": 0,
-        "tombstones": 0,
-        "errors": 0,
-        "pipeline": "cdc-lake",
-        MIRROR_NEWEST: prior_newest,
-    }
+    commit = _run_record(
+        hour_key, hour_slice, consumed=0, tombstones=0, errors=0, mirror_newest=prior_newest
+    )
     version = record_run(spark, spec, path, commit, ledger)
     return HourResult(
         table=spec.name,
