@@ -23,11 +23,9 @@ listener stays, for readiness probes and the tests' own admin and producer clien
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import re
@@ -45,7 +43,7 @@ from pathlib import Path
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
-from devtools import processes
+from devtools import cli, processes
 from devtools.processes import HOST, log_report, port_free, read_text, signal_group, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -284,6 +282,16 @@ def status(config: BrokerConfig) -> dict[str, object]:
         "running": pid is not None,
         "pid": pid,
         "bootstrap": config.bootstrap,
+        # SASL_SSL (SCRAM over TLS) when the broker listens with it: its address, user and CA.
+        **(
+            {
+                "sasl_ssl_bootstrap": config.sasl_ssl_bootstrap,
+                "sasl_username": config.scram_username,
+                "ca_file": str(config.ca_file),
+            }
+            if config.sasl_ssl_bootstrap
+            else {}
+        ),
         "data_dir": str(config.data_dir),
         "log_file": str(config.log_file),
         "server_log": str(config.server_log),
@@ -683,79 +691,44 @@ def _log_report(config: BrokerConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m devtools.kafka_broker",
-        description="Run the local single-node KRaft Kafka broker.",
-    )
-    parser.add_argument("command", choices=["start", "stop", "status"])
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help=f"PLAINTEXT port; the controller uses port+1 (env {PORT_ENV}, default {DEFAULT_PORT})",
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help=f"broker state directory (env {DATA_DIR_ENV}, default {BrokerConfig.data_dir})",
-    )
-    parser.add_argument(
-        "--sasl-ssl-port",
-        type=int,
-        default=None,
-        help=(
-            f"also listen with SASL_SSL ({SCRAM_MECHANISM} over TLS, self-signed) on this port; "
-            f"user 'cdc', password from env {SCRAM_PASSWORD_ENV}"
-        ),
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds to wait (start 60, stop 30)"
-    )
-    args = parser.parse_args(argv)
-
-    port = args.port
-    if port is None:
-        env_port = os.environ.get(PORT_ENV)
-        try:
-            port = int(env_port) if env_port else DEFAULT_PORT
-        except ValueError:
-            parser.error(f"{PORT_ENV}={env_port!r} is not a port number")
-    data_dir = args.data_dir or os.environ.get(DATA_DIR_ENV) or BrokerConfig.data_dir
+    """Command-line entry point; returns the exit status (`devtools.cli`)."""
     # The readiness probe's connection errors are expected while the broker boots.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
-
-    try:
-        config = BrokerConfig(port=port, data_dir=Path(data_dir), sasl_ssl_port=args.sasl_ssl_port)
-        if args.command == "start":
-            started = time.monotonic()
-            bootstrap = start(config, 60 if args.timeout is None else args.timeout)
-            info = status(config)
-            print(bootstrap)
-            sasl = ""
-            if config.sasl_ssl_bootstrap:
-                sasl = (
-                    f"\n  SASL_SSL:       {config.sasl_ssl_bootstrap} ({SCRAM_MECHANISM}, user "
-                    f"{config.scram_username}, CA {config.ca_file})"
-                )
-            print(
-                f"Kafka broker ready on {bootstrap} (pid {info['pid']}, "
-                f"{time.monotonic() - started:.1f}s){sasl}\n"
-                f"  process output: {config.log_file}\n  Kafka log:      {config.server_log}",
-                file=sys.stderr,
-            )
-        elif args.command == "stop":
-            was_running = stop(config, 30 if args.timeout is None else args.timeout)
-            print("stopped" if was_running else f"not running (data dir {config.data_dir})")
-        else:
-            info = status(config)
-            print(json.dumps(info, indent=2))
-            return 0 if info["running"] else 3
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return cli.run(
+        argv,
+        prog="python -m devtools.kafka_broker",
+        description="Run the local single-node KRaft Kafka broker.",
+        options=[
+            cli.Option(
+                "--port",
+                type=int,
+                default=DEFAULT_PORT,
+                env=PORT_ENV,
+                help="PLAINTEXT port; the controller uses port+1",
+            ),
+            cli.Option(
+                "--data-dir",
+                type=Path,
+                default=BrokerConfig.data_dir,
+                env=DATA_DIR_ENV,
+                help="broker state directory",
+            ),
+            cli.Option(
+                "--sasl-ssl-port",
+                type=int,
+                help=(
+                    f"also listen with SASL_SSL ({SCRAM_MECHANISM} over TLS, self-signed) on "
+                    f"this port; user 'cdc', password from env {SCRAM_PASSWORD_ENV}"
+                ),
+            ),
+        ],
+        make_config=lambda args: BrokerConfig(
+            port=args.port, data_dir=Path(args.data_dir), sasl_ssl_port=args.sasl_ssl_port
+        ),
+        start=lambda config, timeout: start(config, 60 if timeout is None else timeout),
+        stop=lambda config, timeout: stop(config, 30 if timeout is None else timeout),
+        status=status,
+    )
 
 
 if __name__ == "__main__":

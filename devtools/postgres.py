@@ -30,10 +30,8 @@ and ``DAGSTER_PG_USERNAME``, then to 15432, ``dagster`` and ``dagster``; ``--dat
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
-import json
 import os
 import pwd
 import re
@@ -50,6 +48,7 @@ import psycopg2
 from psycopg2 import sql
 from psycopg2.extensions import encrypt_password
 
+from devtools import cli
 from devtools.processes import HOST, log_report, port_free, read_text, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -592,57 +591,31 @@ def _log_report(config: PostgresConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    """Command-line entry point; returns the exit status (`devtools.cli`)."""
+
+    def _start(config: PostgresConfig, timeout: float | None) -> str:
+        password = os.environ.get(PASSWORD_ENV)
+        if not password:
+            raise RuntimeError(f"Set the role's password in the environment: {PASSWORD_ENV}")
+        return start(config, password, 60 if timeout is None else timeout)
+
+    return cli.run(
+        argv,
         prog="python -m devtools.postgres",
         description="Run a local PostgreSQL server (Debian's, from .tools/postgresql).",
+        options=[
+            cli.Option("--port", type=int, default=DEFAULT_PORT, env=PORT_ENV),
+            cli.Option("--data-dir", type=Path, default=PostgresConfig.data_dir),
+            cli.Option("--database", default="dagster", env=DATABASE_ENV),
+            cli.Option("--username", default="dagster", env=USERNAME_ENV),
+        ],
+        make_config=lambda args: PostgresConfig(
+            port=args.port, data_dir=args.data_dir, database=args.database, username=args.username
+        ),
+        start=_start,
+        stop=lambda config, timeout: stop(config, 30 if timeout is None else timeout),
+        status=status,
     )
-    parser.add_argument("command", choices=["start", "stop", "status"])
-    parser.add_argument(
-        "--port", type=int, default=None, help=f"env {PORT_ENV}, default {DEFAULT_PORT}"
-    )
-    parser.add_argument("--data-dir", type=Path, default=PostgresConfig.data_dir)
-    parser.add_argument("--database", default=None, help=f"env {DATABASE_ENV}, default dagster")
-    parser.add_argument("--username", default=None, help=f"env {USERNAME_ENV}, default dagster")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds (start 60, stop 30)")
-    args = parser.parse_args(argv)
-
-    env_port = os.environ.get(PORT_ENV)
-    try:
-        port = args.port if args.port is not None else int(env_port or DEFAULT_PORT)
-    except ValueError:
-        parser.error(f"{PORT_ENV}={env_port!r} is not a port number")
-    try:
-        config = PostgresConfig(
-            port=port,
-            data_dir=args.data_dir,
-            database=args.database or os.environ.get(DATABASE_ENV) or "dagster",
-            username=args.username or os.environ.get(USERNAME_ENV) or "dagster",
-        )
-        if args.command == "start":
-            password = os.environ.get(PASSWORD_ENV)
-            if not password:
-                raise RuntimeError(f"Set the role's password in the environment: {PASSWORD_ENV}")
-            started = time.monotonic()
-            address = start(config, password, 60 if args.timeout is None else args.timeout)
-            print(address)
-            print(
-                f"PostgreSQL ready on {address} (database {config.database}, user "
-                f"{config.username}, pid {status(config)['pid']}, "
-                f"{time.monotonic() - started:.1f}s)\n  log: {config.log_file}",
-                file=sys.stderr,
-            )
-        elif args.command == "stop":
-            was_running = stop(config, 30 if args.timeout is None else args.timeout)
-            print("stopped" if was_running else f"not running (data dir {config.data_dir})")
-        else:
-            info = status(config)
-            print(json.dumps(info, indent=2))
-            return 0 if info["running"] else 3
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

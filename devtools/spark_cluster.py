@@ -23,7 +23,6 @@ port + 2 and its web UI at port + 3); ``--data-dir`` defaults to ``<repo>/.local
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -37,7 +36,7 @@ from urllib.request import urlopen
 
 import pyspark
 
-from devtools import processes
+from devtools import cli, processes
 from devtools.processes import HOST, log_report, port_free, signal_group, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -392,44 +391,29 @@ def _log_report(config: ClusterConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    """Command-line entry point; returns the exit status (`devtools.cli`)."""
+    return cli.run(
+        argv,
         prog="python -m devtools.spark_cluster",
         description="Run a local Spark standalone cluster (one master, one worker) on loopback.",
-    )
-    parser.add_argument("command", choices=["start", "stop", "status"])
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help=f"master port (default {DEFAULT_PORT}); web UI +1, worker +2, worker web UI +3",
-    )
-    parser.add_argument("--data-dir", type=Path, default=ClusterConfig.data_dir)
-    parser.add_argument("--cores", type=int, default=ClusterConfig.cores)
-    parser.add_argument("--memory", default=ClusterConfig.memory, help="for executors")
-    args = parser.parse_args(argv)
-    try:
-        config = ClusterConfig(
+        options=[
+            cli.Option(
+                "--port",
+                type=int,
+                default=DEFAULT_PORT,
+                help="master port; web UI +1, worker +2, worker web UI +3",
+            ),
+            cli.Option("--data-dir", type=Path, default=ClusterConfig.data_dir),
+            cli.Option("--cores", type=int, default=ClusterConfig.cores),
+            cli.Option("--memory", default=ClusterConfig.memory, help="for executors"),
+        ],
+        make_config=lambda args: ClusterConfig(
             port=args.port, data_dir=args.data_dir, cores=args.cores, memory=args.memory
-        )
-        if args.command == "start":
-            started = time.monotonic()
-            print(start(config))
-            print(
-                f"Spark standalone cluster ready ({time.monotonic() - started:.1f}s): master UI "
-                f"http://{HOST}:{config.ports['master web UI']}, logs in {config.data_dir}",
-                file=sys.stderr,
-            )
-        elif args.command == "stop":
-            print("stopped" if stop(config) else f"not running (data dir {config.data_dir})")
-        else:
-            info = status(config)
-            print(json.dumps(info, indent=2))
-            return 0 if info["running"] else 3
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        ),
+        start=lambda config, timeout: start(config, 120 if timeout is None else timeout),
+        stop=lambda config, timeout: stop(config, 30 if timeout is None else timeout),
+        status=status,
+    )
 
 
 if __name__ == "__main__":
