@@ -7,6 +7,7 @@ A scenario compares the mirror with the reference replay of what Kafka really co
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -170,10 +171,14 @@ def save(path: Path = FIGURES_PATH) -> None:
     keeps the others, each with the time it was measured)."""
     if not _RECORDED:
         return
-    rows = {r["scenario"]: r for r in (json.loads(path.read_text()) if path.exists() else [])}
-    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rows |= {f.scenario: {**asdict(f), "measured": now} for f in _RECORDED}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(sorted(rows.values(), key=lambda r: r["scenario"]), indent=2))
-    tmp.replace(path)
+    # Test workers (pytest -n) each save their own scenarios: one at a time, each keeping the
+    # others' rows.
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = {r["scenario"]: r for r in (json.loads(path.read_text()) if path.exists() else [])}
+        now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        rows |= {f.scenario: {**asdict(f), "measured": now} for f in _RECORDED}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(sorted(rows.values(), key=lambda r: r["scenario"]), indent=2))
+        tmp.replace(path)
