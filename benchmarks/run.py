@@ -220,7 +220,9 @@ def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -
     )
     # A topic that holds the case's events already (--reuse-events) is not produced again; the
     # generator still runs, for the reference (it is seeded: the same events every time).
-    send = sum(end - start for start, end in topic_slice(bootstrap, topic).values()) == 0
+    held = sum(end - start for start, end in topic_slice(bootstrap, topic).values())
+    send = held == 0
+    failed: list[BaseException] = []
     try:
         for h in range(case.hours):
             start_ms = int((first_hour + timedelta(hours=h)).timestamp() * 1000)
@@ -232,10 +234,22 @@ def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -
                     key=event.kafka_key(),
                     value=event.kafka_value(),
                     timestamp_ms=event.timestamp_ms,
-                )
+                ).add_errback(failed.append)
         producer.flush()
     finally:
         producer.close()
+    # The reference replays every generated event: the topic must hold each of them. A send
+    # the broker never acknowledged (a request timed out) is reported only to its future; an
+    # earlier run stopped while producing leaves a topic short of the case's events.
+    held = sum(end - start for start, end in topic_slice(bootstrap, topic).values())
+    expected = case.events * case.hours
+    if failed or held != expected:
+        raise RuntimeError(
+            f"case {case.name}: topic {topic} holds {held:,} events, not the {expected:,} the "
+            f"reference replays ({len(failed):,} sends failed"
+            + (f", the first: {failed[0]!r}" if failed else "")
+            + "). Run the benchmark again without --reuse-events (it deletes the broker's data)."
+        )
     return workload
 
 
