@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from cdc_assets import merge
+from cdc_assets import commits, merge
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
 from resources.lake import LakeResource
@@ -170,7 +170,8 @@ def _concurrent_run(bootstrap, spec_json, lake_root, hour_key, barrier, results)
             if "commit conflict" in rec.getMessage():
                 conflicts.append(rec.getMessage())
 
-    logging.getLogger(merge.__name__).addHandler(Count())
+    # Conflicts are retried, and logged, by commits.retry_on_conflict.
+    logging.getLogger(commits.__name__).addHandler(Count())
     original, held = merge._merge_once, threading.Event()
 
     def hold_then_merge(*args, **kwargs):
