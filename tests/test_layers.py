@@ -8,6 +8,7 @@ the line, before it turns into a cycle.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def test_the_rule_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (fake / "cdc_assets" / "hour_run.py").write_text(
         "def f():\n    from checks.expectations import audit_changes\n"
     )
-    monkeypatch.setattr(__import__(__name__, fromlist=["REPO"]), "REPO", fake)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
     assert _violations() == [
         "cdc_assets/hour_run.py:2 imports checks.expectations (cdc_assets is layer 1, "
         "checks is layer 2)"
