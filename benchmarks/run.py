@@ -47,6 +47,7 @@ from devtools.processes import port_free
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 HOUR_FORMAT = "%Y-%m-%d-%H:%M"
+FLUSH_EVERY = 50_000  # sends between two flushes of the producer (see produce_case)
 PEERS = ("floor", "ours", "naive", "delta-rs")
 # Spark's AUTO CDC is refused its Delta target here (docs/benchmark.md): a case or two say so.
 VARIANTS = (*PEERS, "auto-cdc")
@@ -217,12 +218,18 @@ def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -
         linger_ms=20,
         batch_size=512 * 1024,
         max_request_size=8 * 1024 * 1024,
+        # kafka-python's sender is a Python thread that shares the GIL with the generator: a
+        # batch can wait long for it, and one older than the delivery timeout fails (2026-11-26:
+        # 233,987 of 1M sends expired after 120 s). A longer timeout, and a flush every
+        # FLUSH_EVERY sends, bound the wait.
+        delivery_timeout_ms=600_000,
     )
     # A topic that holds the case's events already (--reuse-events) is not produced again; the
     # generator still runs, for the reference (it is seeded: the same events every time).
     held = sum(end - start for start, end in topic_slice(bootstrap, topic).values())
     send = held == 0
     failed: list[BaseException] = []
+    sent = 0
     try:
         for h in range(case.hours):
             start_ms = int((first_hour + timedelta(hours=h)).timestamp() * 1000)
@@ -235,6 +242,9 @@ def produce_case(bootstrap: str, case: Case, topic: str, first_hour: datetime) -
                     value=event.kafka_value(),
                     timestamp_ms=event.timestamp_ms,
                 ).add_errback(failed.append)
+                sent += 1
+                if sent % FLUSH_EVERY == 0:
+                    producer.flush()
         producer.flush()
     finally:
         producer.close()
