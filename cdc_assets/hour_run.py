@@ -55,6 +55,7 @@ from cdc_assets.tally import Tally, key_value
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey
+from resources.spark import session_settings
 
 log = logging.getLogger(__name__)
 
@@ -295,20 +296,25 @@ def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterat
 # An hour's shuffle width: one partition per this many records read (at least 1, at most the
 # session's setting), so a small hour's MERGE runs a task per stage, not dozens.
 RECORDS_PER_SHUFFLE_PARTITION = 100_000
+ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
 @contextmanager
 def sized_shuffles(spark: SparkSession, records: int) -> Iterator[None]:
     """Sets the session's shuffle partitions for an hour of `records` records, then restores
-    them (a run's tables each have a session of their own, `cdc_assets.fleet`)."""
+    them (a run's tables each have a session of their own, `cdc_assets.fleet`).
+
+    An hour that fits one shuffle partition also runs without adaptive query execution: with
+    one partition there is nothing for it to coalesce or split, and its planning again at every
+    stage costs a small hour about a fifth of its time (7.6 s against 6.0 s per 200-change
+    table-hour on the test session, 2026-11-26). Larger hours keep it."""
     key = "spark.sql.shuffle.partitions"
-    configured = spark.conf.get(key)
     width = -(-records // RECORDS_PER_SHUFFLE_PARTITION)
-    spark.conf.set(key, str(max(1, min(int(configured), width))))
-    try:
+    settings = {key: str(max(1, min(int(spark.conf.get(key)), width)))}
+    if records <= RECORDS_PER_SHUFFLE_PARTITION:
+        settings[ADAPTIVE] = "false"
+    with session_settings(spark, settings):
         yield
-    finally:
-        spark.conf.set(key, configured)
 
 
 def _apply_hour(
@@ -628,12 +634,8 @@ def merge_source(spark: SparkSession, *, materialized: bool) -> Iterator[None]:
     hour's local relation is; it saves the MERGE a write and a read of the source). A cached
     source must be materialized: Delta refuses to read a cached plan twice
     (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION); copying it from the cache costs little."""
-    configured = spark.conf.get(_MATERIALIZE_SOURCE, "auto")
-    spark.conf.set(_MATERIALIZE_SOURCE, "auto" if materialized else "none")
-    try:
+    with session_settings(spark, {_MATERIALIZE_SOURCE: "auto" if materialized else "none"}):
         yield
-    finally:
-        spark.conf.set(_MATERIALIZE_SOURCE, configured)
 
 
 def key_range(spec: TableSpec, tally: Tally) -> dict[str, tuple]:

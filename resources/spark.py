@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,23 @@ DEFAULT_LOG_STORE_DIR = REPO_ROOT / ".jars" / "log-store"
 # (DelegatingLogStore: SparkEnv's conf), so it can't be set on a running session.
 LOG_STORE_CONF = "spark.delta.logStore.s3a.impl"
 CONDITIONAL_PUT_LOG_STORE = "io.cdclake.delta.ConditionalPutLogStore"
+
+
+@contextmanager
+def session_settings(spark: SparkSession, settings: Mapping[str, str]) -> Iterator[None]:
+    """Sets `settings` on the session for the block, then puts back what was there (unset when
+    nothing was set). A run's tables each have a session of their own (`cdc_assets.fleet`)."""
+    previous = {name: spark.conf.get(name, None) for name in settings}
+    for name, value in settings.items():
+        spark.conf.set(name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                spark.conf.unset(name)
+            else:
+                spark.conf.set(name, value)
 
 
 class SparkJarsMissingError(RuntimeError):

@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
-from cdc_assets.hour_run import SequenceConfigError, run_hour
+from cdc_assets.hour_run import ADAPTIVE, SequenceConfigError, run_hour, sized_shuffles
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from checks.table_checks import MIRROR_CHECKS
@@ -458,3 +458,20 @@ def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continu
     ended = {p: s["end"] for p, s in slices[keys[0]].items()}
     assert slices[keys[1]] == {p: {"start": end, "end": end} for p, end in ended.items()}
     assert {p: s["start"] for p, s in slices[keys[2]].items()} == ended
+
+
+@pytest.mark.parametrize(
+    ("records", "partitions", "adaptive"),
+    [(0, "1", "false"), (100_000, "1", "false"), (100_001, "2", "true"), (10**9, "4", "true")],
+)
+def test_an_hours_shuffle_width_and_adaptive_execution_follow_its_size_and_are_restored(
+    spark, records, partitions, adaptive
+):
+    session = spark.newSession()  # a table's session in a run (cdc_assets.fleet)
+    session.conf.set("spark.sql.shuffle.partitions", "4")
+    before = session.conf.get(ADAPTIVE)
+    with sized_shuffles(session, records):
+        assert session.conf.get("spark.sql.shuffle.partitions") == partitions
+        assert session.conf.get(ADAPTIVE) == adaptive
+    assert session.conf.get("spark.sql.shuffle.partitions") == "4"
+    assert session.conf.get(ADAPTIVE) == before == "true"

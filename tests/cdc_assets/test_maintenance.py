@@ -237,3 +237,18 @@ def test_a_table_never_written_is_left_alone(spark_resource, tmp_path):
     metadata = _metadata(result)
     assert metadata["table_exists"] is False and metadata["error_table_exists"] is False
     assert not (tmp_path / "empty").exists()
+
+
+def test_vacuum_lists_with_one_task_per_core_unless_configured(spark):
+    from cdc_assets.maintenance import (
+        LISTING_PARALLELISM_CONF,
+        VACUUM_LOGGING_CONF,
+        vacuum_settings,
+    )
+
+    cores = spark.sparkContext.defaultParallelism
+    assert vacuum_settings(spark, None) == {
+        VACUUM_LOGGING_CONF: "true",
+        LISTING_PARALLELISM_CONF: str(cores),
+    }
+    assert vacuum_settings(spark, 64)[LISTING_PARALLELISM_CONF] == "64"
