@@ -255,7 +255,8 @@ def run_hour(
             return _empty_hour(
                 spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest, checks
             )
-        with sized_shuffles(spark, hour_slice.size):
+        local = hour_slice.size <= local_read_max_records
+        with sized_shuffles(spark, hour_slice.size, adaptive=not local):
             return _apply_hour(
                 spark=spark,
                 kafka=kafka,
@@ -300,18 +301,19 @@ ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
 @contextmanager
-def sized_shuffles(spark: SparkSession, records: int) -> Iterator[None]:
+def sized_shuffles(spark: SparkSession, records: int, *, adaptive: bool = True) -> Iterator[None]:
     """Sets the session's shuffle partitions for an hour of `records` records, then restores
     them (a run's tables each have a session of their own, `cdc_assets.fleet`).
 
-    An hour that fits one shuffle partition also runs without adaptive query execution: with
-    one partition there is nothing for it to coalesce or split, and its planning again at every
-    stage costs a small hour about a fifth of its time (7.6 s against 6.0 s per 200-change
-    table-hour on the test session, 2026-11-26). Larger hours keep it."""
+    `adaptive=False` also turns adaptive query execution off: for an hour read in this process
+    (a local relation, whose size Spark knows, so the planner broadcasts it without AQE's help)
+    and of one shuffle partition, AQE has nothing to coalesce or convert, and its planning again
+    at every stage cost a 200-change table-hour about a fifth of its time (7.6 s against 6.0 s on
+    the test session, 2026-11-26). Hours Spark reads keep it."""
     key = "spark.sql.shuffle.partitions"
     width = -(-records // RECORDS_PER_SHUFFLE_PARTITION)
     settings = {key: str(max(1, min(int(spark.conf.get(key)), width)))}
-    if records <= RECORDS_PER_SHUFFLE_PARTITION:
+    if not adaptive and width <= 1:
         settings[ADAPTIVE] = "false"
     with session_settings(spark, settings):
         yield

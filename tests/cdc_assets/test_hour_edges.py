@@ -461,16 +461,22 @@ def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continu
 
 
 @pytest.mark.parametrize(
-    ("records", "partitions", "adaptive"),
-    [(0, "1", "false"), (100_000, "1", "false"), (100_001, "2", "true"), (10**9, "4", "true")],
+    ("records", "read_here", "partitions", "adaptive"),
+    [
+        (0, True, "1", "false"),
+        (20_000, True, "1", "false"),
+        (20_000, False, "1", "true"),  # read by Spark: its size is learned at run time
+        (100_001, False, "2", "true"),
+        (10**9, False, "4", "true"),
+    ],
 )
 def test_an_hours_shuffle_width_and_adaptive_execution_follow_its_size_and_are_restored(
-    spark, records, partitions, adaptive
+    spark, records, read_here, partitions, adaptive
 ):
     session = spark.newSession()  # a table's session in a run (cdc_assets.fleet)
     session.conf.set("spark.sql.shuffle.partitions", "4")
     before = session.conf.get(ADAPTIVE)
-    with sized_shuffles(session, records):
+    with sized_shuffles(session, records, adaptive=not read_here):
         assert session.conf.get("spark.sql.shuffle.partitions") == partitions
         assert session.conf.get(ADAPTIVE) == adaptive
     assert session.conf.get("spark.sql.shuffle.partitions") == "4"
