@@ -128,6 +128,7 @@ PARSE_ONLY_MODULES = {
     "benchmarks.run",
     "benchmarks.auto_cdc",
     "benchmarks.deletion_vectors",
+    "benchmarks.small_hours",
 }
 RUN_MODULES = {"checks.report", "tests.faults.report"}
 RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
