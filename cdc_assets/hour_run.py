@@ -270,7 +270,7 @@ def run_hour(
                 previous_end=previous_end,
                 prior_newest=prior_newest,
                 masking_key=masking_key,
-                local_read_max_records=local_read_max_records,
+                local=local,
                 checks=checks,
             )
 
@@ -308,8 +308,8 @@ def sized_shuffles(spark: SparkSession, records: int, *, adaptive: bool = True) 
     `adaptive=False` also turns adaptive query execution off: for an hour read in this process
     (a local relation, whose size Spark knows, so the planner broadcasts it without AQE's help)
     and of one shuffle partition, AQE has nothing to coalesce or convert, and its planning again
-    at every stage cost a 200-change table-hour about a fifth of its time (7.6 s against 6.0 s on
-    the test session, 2026-11-26). Hours Spark reads keep it."""
+    at every stage costs a small hour more than it saves (docs/benchmark.md, "Small table-hours",
+    has the before and after). Hours Spark reads keep it."""
     key = "spark.sql.shuffle.partitions"
     width = -(-records // RECORDS_PER_SHUFFLE_PARTITION)
     settings = {key: str(max(1, min(int(spark.conf.get(key)), width)))}
@@ -333,7 +333,7 @@ def _apply_hour(
     previous_end: dict[int, int] | None,
     prior_newest: int | None,
     masking_key: HmacKey | None,
-    local_read_max_records: int,
+    local: bool,
     checks: MirrorChecks,
 ) -> HourResult:
     """Reads, decodes, audits and MERGEs a non-empty (or first) hour; see `run_hour`."""
@@ -341,7 +341,6 @@ def _apply_hour(
     stored_schema = mirror_schema(spark, path)
     check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     ingested_at = datetime.now(UTC)
-    local = hour_slice.size <= local_read_max_records
     records = _read(spark, kafka, hour_slice, local)
     batch, added, withheld = _decode_with_new_columns(
         spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key
