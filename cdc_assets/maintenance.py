@@ -188,9 +188,8 @@ def check_retention(spark: SparkSession, *, table: str, path: str, retain_hours:
     return hours
 
 
-# The tasks VACUUM lists and deletes files with. Spark's default is 10,000: a VACUUM of a small
-# table then schedules about 170,000 tasks and takes 41-54 s instead of 8-9 s on two cores
-# (measured 2026-11-26, a 4-file table).
+# The tasks VACUUM lists and deletes files with. Spark's default is 10,000, which turns a small
+# table's VACUUM into tens of thousands of tasks (docs/benchmark.md, "Small table-hours").
 LISTING_PARALLELISM_CONF = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 
 
