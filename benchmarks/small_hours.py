@@ -104,6 +104,14 @@ def _codegen_compiles(spark) -> int:
     return int(metrics.METRIC_COMPILATION_TIME().getCount())
 
 
+def _cmdline(process: psutil.Process) -> str:
+    """A child's command line; "" for one that has exited (a zombie until it is reaped)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _cpu(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         spark = resource.session
         me = psutil.Process()
         # The session's JVM (the broker is a child of this process too).
-        (jvm,) = [c for c in me.children(recursive=True) if "SparkSubmit" in " ".join(c.cmdline())]
+        (jvm,) = [c for c in me.children(recursive=True) if "SparkSubmit" in _cmdline(c)]
         kafka = KafkaResource(bootstrap_servers=bootstrap)
         lake = LakeResource(root=str(work / "lake"))
         rows = []

@@ -88,6 +88,7 @@ REQUIRED_CONF = {
 DEFAULT_CONF = {
     "spark.sql.shuffle.partitions": "8",
     "spark.databricks.delta.snapshotPartitions": "4",
+    "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.showConsoleProgress": "false",
 }
 

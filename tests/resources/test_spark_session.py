@@ -1,0 +1,50 @@
+"""The started session (tests/conftest.py's, built by SparkResource): what a table-hour costs it.
+
+A table-hour's plans make Spark generate about 110 classes. With Spark's default cache of 100
+generated classes (`spark.sql.codegen.cache.maxEntries`), an LRU cache cycled through more
+entries than it holds missed on every one, and each hour compiled them all again (Janino, then
+the JIT). SparkResource's `codegen_cache_entries` keeps them: from the third hour on, only the
+classes whose code inlines a value of that hour (a key bound, a timestamp) are compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults import table
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 2
+# Classes a later hour may compile: those with the hour's own literals (about 20 in
+# benchmarks/small_hours), far from the ~110 every hour compiled with Spark's default cache.
+AT_MOST = 45
+
+
+def _compiled(spark) -> int:
+    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
+    return int(metrics.METRIC_COMPILATION_TIME().getCount())
+
+
+def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_ones(
+    broker, kafka, spark, create_topic, lake
+):
+    spec = table.spec(create_topic("session-codegen", partitions=PARTITIONS))
+    changes = [
+        table.change("c" if hour == 0 else "u", row_id, 100 * hour + row_id, hour=hour, second=1)
+        for hour in range(4)
+        for row_id in range(1, 6)
+    ]
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, PARTITIONS, after_hour=3)
+    run = table.runner(spark, kafka, lake, spec)
+
+    compiled = []
+    for hour in range(4):
+        before = _compiled(spark)
+        result = run(hour)
+        compiled.append(_compiled(spark) - before)
+        assert result.counts.applied == 5, (hour, result.counts)
+    # The first hour creates the table and the second is the first MERGE into rows: both
+    # compile most of what later hours reuse.
+    assert max(compiled[2:]) <= AT_MOST, compiled
