@@ -24,11 +24,37 @@ from shop_analytics.assets import build_downstream_assets
 from shop_analytics.sensors import build_downstream_sensor
 
 
+SENSOR_INTERVAL_ENV = "CDC_SENSOR_INTERVAL_SECONDS"
+DEFAULT_SENSOR_INTERVAL_S = 30
+
+
+class SensorIntervalError(ValueError):
+    """CDC_SENSOR_INTERVAL_SECONDS is not a whole number of seconds of at least 1."""
+
+
+def sensor_interval_seconds(environ: dict[str, str] | None = None) -> int:
+    """How often the sensors may tick: CDC_SENSOR_INTERVAL_SECONDS, else 30 s."""
+    raw = (os.environ if environ is None else environ).get(SENSOR_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SENSOR_INTERVAL_S
+    if not raw.isdigit() or int(raw) < 1:
+        raise SensorIntervalError(
+            f"{SENSOR_INTERVAL_ENV}={raw!r} is not a whole number of seconds of at least 1. "
+            f"Set it to how often the sensors may tick (for example 30), or unset it for "
+            f"{DEFAULT_SENSOR_INTERVAL_S}."
+        )
+    return int(raw)
+
+
 def build_definitions(
-    specs: list[TableSpec], *, offset_sensor_interval_seconds: int = 30
+    specs: list[TableSpec],
+    *,
+    offset_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
+    downstream_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
 ) -> dg.Definitions:
-    """Everything of `specs`; `offset_sensor_interval_seconds` is how often the offset sensor
-    may tick (the daemon fault scenarios tick it every few seconds)."""
+    """Everything of `specs`; the intervals are how often the offset sensor and the downstream
+    assets' automation sensor may tick (the daemon fault scenarios tick the offset sensor every
+    few seconds)."""
     # The demo shop's downstream assets, when its three tables are mirrored.
     downstream = build_downstream_assets(specs)
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
@@ -47,7 +73,15 @@ def build_definitions(
                 if specs
                 else []
             ),
-            *([build_downstream_sensor(downstream)] if downstream else []),
+            *(
+                [
+                    build_downstream_sensor(
+                        downstream, minimum_interval_seconds=downstream_sensor_interval_seconds
+                    )
+                ]
+                if downstream
+                else []
+            ),
         ],
         schedules=[build_maintenance_schedule(maintenance)] if maintenance else [],
         # One process and one Spark session for all the assets of a run (the maintenance run
@@ -74,4 +108,9 @@ def build_definitions(
 @dg.definitions
 def defs() -> dg.Definitions:
     # Read when Dagster loads the code location, never at import time.
-    return build_definitions(load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)))
+    interval = sensor_interval_seconds()
+    return build_definitions(
+        load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)),
+        offset_sensor_interval_seconds=interval,
+        downstream_sensor_interval_seconds=interval,
+    )

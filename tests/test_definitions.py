@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
 from code_location.definitions import defs
@@ -105,3 +106,20 @@ def test_the_demo_instance_limits_each_table_to_one_run_and_retries_dead_runs(tm
         assert instance.run_monitoring_enabled
     finally:
         instance.dispose()
+
+
+def test_the_sensor_interval_comes_from_the_environment_and_a_bad_one_names_the_fix(monkeypatch):
+    from code_location.definitions import (
+        SENSOR_INTERVAL_ENV,
+        SensorIntervalError,
+        sensor_interval_seconds,
+    )
+
+    monkeypatch.setenv(SENSOR_INTERVAL_ENV, "5")
+    built = defs() if callable(defs) else defs
+    intervals = {s.name: s.minimum_interval_seconds for s in built.sensors}
+    assert intervals == {"cdc_offsets": 5, "shop_analytics_automation": 5}
+    assert sensor_interval_seconds({}) == 30
+    for bad in ("0", "-3", "1.5", "soon"):
+        with pytest.raises(SensorIntervalError, match=rf"{SENSOR_INTERVAL_ENV}='{bad}'.*unset it"):
+            sensor_interval_seconds({SENSOR_INTERVAL_ENV: bad})

@@ -104,12 +104,17 @@ def deployment(broker, pg, s3, spark, tmp_path):
     tables.write_text(yaml.safe_dump({"tables": [s.model_dump(mode="json") for s in specs]}))
     home = tmp_path / "dagster_home"
     home.mkdir()
-    # The production instance file, with one change: at most 2 runs at once. The test machine
-    # has 2 cores, and 8 runs (each its own Spark driver) would only take turns on them.
+    # The production instance file, with two changes: at most 2 runs at once (the test machine
+    # has 2 cores, and 8 runs, each its own Spark driver, would only take turns on them), and
+    # the queue looked at every second instead of every 5 (each of the test's three runs waited
+    # 2.5 s on average to be dequeued).
     instance = (REPO / "deploy" / "production" / "dagster.yaml").read_text()
     assert "max_concurrent_runs: 8" in instance, "the production file's run limit moved"
+    assert "dequeue_interval_seconds: 5" in instance, "the production file's dequeue moved"
     (home / "dagster.yaml").write_text(
-        instance.replace("max_concurrent_runs: 8", "max_concurrent_runs: 2")
+        instance.replace("max_concurrent_runs: 8", "max_concurrent_runs: 2").replace(
+            "dequeue_interval_seconds: 5", "dequeue_interval_seconds: 1"
+        )
     )
     port = free_ports(1)[0]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "CDC_"))}
@@ -118,6 +123,9 @@ def deployment(broker, pg, s3, spark, tmp_path):
             "DAGSTER_HOME": str(home),
             "CDC_TABLES_FILE": str(tables),
             "CDC_KAFKA_BOOTSTRAP_SERVERS": broker,
+            # The sensors tick every 5 s, not 30: the downstream runs start seconds after the
+            # mirrors' run, and the test waits on the pipeline, not on the sensors' timers.
+            "CDC_SENSOR_INTERVAL_SECONDS": "5",
             # The lake on S3, reached as a deployment reaches it: AWS's own variables, which
             # code_location/definitions.py hands to the lake's S3Resource (keys as dg.EnvVar).
             "CDC_LAKE_ROOT": f"s3://{s3.bucket}/{prefix}",

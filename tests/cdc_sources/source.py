@@ -100,13 +100,15 @@ class Capture:
     def expect(self, table: str, records: int) -> None:
         self.expected[table] += records
 
-    def settle(self, timeout_s: float = 120, quiet_s: float = 2.0) -> dict[str, int]:
+    def settle(self, timeout_s: float = 120, quiet_s: float = 0.0) -> dict[str, int]:
         """Waits until every topic holds its expected records and then stops growing for
         `quiet_s`; returns the counts.
 
-        The count alone is not enough: after a restart the connector sends some records again
-        (at least once), so a topic can hold the expected number while the newest changes are
-        still on their way, and an hour read then misses them.
+        The count alone is enough while the connector has not restarted since the last settle:
+        it sends each change once. After a restart it is not (pass `quiet_s`, 2 s): the
+        connector sends some records again (at least once), so a topic can hold the expected
+        number while the newest changes are still on their way, and an hour read then misses
+        them.
         """
         expected = {self.topic(t): n for t, n in self.expected.items()}
         sizes = kafka_connect.wait_published(self.sources.worker, self.name, expected, timeout_s)
