@@ -8,6 +8,7 @@ The only module that puts every package together: the mirror (cdc_assets) receiv
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import dagster as dg
 
@@ -23,7 +24,6 @@ from sensors.offset_progress import build_offset_sensor
 from shop_analytics.assets import build_downstream_assets
 from shop_analytics.sensors import build_downstream_sensor
 
-
 SENSOR_INTERVAL_ENV = "CDC_SENSOR_INTERVAL_SECONDS"
 DEFAULT_SENSOR_INTERVAL_S = 30
 
@@ -32,12 +32,12 @@ class SensorIntervalError(ValueError):
     """CDC_SENSOR_INTERVAL_SECONDS is not a whole number of seconds of at least 1."""
 
 
-def sensor_interval_seconds(environ: dict[str, str] | None = None) -> int:
+def sensor_interval_seconds(environ: Mapping[str, str] = os.environ) -> int:
     """How often the sensors may tick: CDC_SENSOR_INTERVAL_SECONDS, else 30 s."""
-    raw = (os.environ if environ is None else environ).get(SENSOR_INTERVAL_ENV, "").strip()
+    raw = environ.get(SENSOR_INTERVAL_ENV, "").strip()
     if not raw:
         return DEFAULT_SENSOR_INTERVAL_S
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise SensorIntervalError(
             f"{SENSOR_INTERVAL_ENV}={raw!r} is not a whole number of seconds of at least 1. "
             f"Set it to how often the sensors may tick (for example 30), or unset it for "

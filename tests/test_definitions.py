@@ -11,7 +11,12 @@ import dagster as dg
 import pytest
 
 from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
-from code_location.definitions import defs
+from code_location.definitions import (
+    SENSOR_INTERVAL_ENV,
+    SensorIntervalError,
+    defs,
+    sensor_interval_seconds,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +84,8 @@ def test_each_table_has_a_maintenance_asset_in_its_pool_on_a_daily_schedule_that
     assert [s.name for s in definitions.schedules] == [MAINTENANCE_SCHEDULE]
 
 
-def test_the_sensors_are_on_by_default():
+def test_the_sensors_are_on_by_default(monkeypatch):
+    monkeypatch.delenv(SENSOR_INTERVAL_ENV, raising=False)
     definitions = defs() if callable(defs) else defs
     sensors = {s.name: s for s in definitions.sensors}
     # One offset sensor for every table.
@@ -109,17 +115,11 @@ def test_the_demo_instance_limits_each_table_to_one_run_and_retries_dead_runs(tm
 
 
 def test_the_sensor_interval_comes_from_the_environment_and_a_bad_one_names_the_fix(monkeypatch):
-    from code_location.definitions import (
-        SENSOR_INTERVAL_ENV,
-        SensorIntervalError,
-        sensor_interval_seconds,
-    )
-
     monkeypatch.setenv(SENSOR_INTERVAL_ENV, "5")
     built = defs() if callable(defs) else defs
     intervals = {s.name: s.minimum_interval_seconds for s in built.sensors}
     assert intervals == {"cdc_offsets": 5, "shop_analytics_automation": 5}
     assert sensor_interval_seconds({}) == 30
-    for bad in ("0", "-3", "1.5", "soon"):
+    for bad in ("0", "-3", "1.5", "soon", "²"):
         with pytest.raises(SensorIntervalError, match=rf"{SENSOR_INTERVAL_ENV}='{bad}'.*unset it"):
             sensor_interval_seconds({SENSOR_INTERVAL_ENV: bad})

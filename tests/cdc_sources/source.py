@@ -47,6 +47,10 @@ class Sources:
         return mariadb.connect(self.mariadb, self.passwords[MY_PASSWORD_ENV])
 
 
+# How long the topics must stop growing before a settle after a connector restart returns.
+RESTARTED_QUIET_S = 2.0
+
+
 class Capture:
     """One Debezium connector capturing `tables` of a source, on topics of its own.
 
@@ -86,9 +90,10 @@ class Capture:
             extra=extra,
         )
         self.expected = {t: 0 for t in tables}
-        # Records a restart made the connector send again, per table, as the settle after it
-        # counted them: the later settles wait for the owed records on top of these.
+        # Records a restart made the connector send again, per table, as the last settle after
+        # it counted them: the later settles wait for the owed records on top of these.
         self.resent = {t: 0 for t in tables}
+        self.quiet_s = 0.0  # RESTARTED_QUIET_S once the connector restarted (`restarted`)
 
     def topic(self, table: str) -> str:
         return f"{self.name}.{self._qualified[table]}"
@@ -103,18 +108,23 @@ class Capture:
     def expect(self, table: str, records: int) -> None:
         self.expected[table] += records
 
-    def settle(self, timeout_s: float = 120, quiet_s: float = 0.0) -> dict[str, int]:
-        """Waits until every topic holds its expected records and then stops growing for
-        `quiet_s`; returns the counts.
+    def restarted(self) -> None:
+        """Marks that the connector restarted: from now on every settle waits for quiet."""
+        self.quiet_s = RESTARTED_QUIET_S
 
-        The count alone is enough while the connector has not restarted since the last settle:
-        it sends each change once. After a restart it is not (pass `quiet_s`, 2 s): the
-        connector sends some records again (at least once), so a topic can hold the expected
-        number while the newest changes are still on their way, and an hour read then misses
-        them. That settle records the surplus (`resent`), which the later ones add to what
-        they wait for; without it, they would stop as soon as the surplus made up for records
-        still on their way.
+    def settle(self, timeout_s: float = 120) -> dict[str, int]:
+        """Waits until every topic holds its expected records and, once the connector has
+        restarted, until they stop growing for `quiet_s`; returns the counts.
+
+        The count alone is enough while the connector never restarted: it sends each change
+        once. After a restart (`restarted`) it is not: the connector sends some records again
+        (at least once), so a topic can hold the expected number while the newest changes are
+        still on their way, and an hour read then misses them. Each settle after a restart
+        waits for quiet and records the surplus (`resent`), which the later ones add to what
+        they wait for; without it, a settle would stop as soon as the surplus made up for
+        records still on their way.
         """
+        quiet_s = self.quiet_s
         expected = {self.topic(t): n + self.resent[t] for t, n in self.expected.items()}
         sizes = kafka_connect.wait_published(self.sources.worker, self.name, expected, timeout_s)
         deadline = time.monotonic() + timeout_s

@@ -162,8 +162,9 @@ def test_mirror_of_a_real_mariadb_equals_the_source_in_any_hour_order(
         capture.settle()
         kafka_connect.restart_connector(sources.worker, capture.name)
         kafka_connect.wait_running(sources.worker, capture.name)
+        capture.restarted()
 
-        capture.settle(quiet_s=2.0)  # the counts alone don't say the re-sent records are in
+        capture.settle()
         at_hour(sources, HOURS[3])
         work.run("FLUSH BINARY LOGS")
         for key in (1, 5, 102):

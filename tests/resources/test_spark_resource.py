@@ -40,6 +40,7 @@ def test_the_session_is_set_up_for_delta_utc_and_redacted_secrets(tmp_path):
     assert conf["spark.sql.session.timeZone"] == "UTC"
     assert "password" in conf["spark.redaction.regex"] and "jaas" in conf["spark.redaction.regex"]
     assert conf["spark.scheduler.mode"] == "FAIR"
+    assert conf["spark.sql.codegen.cache.maxEntries"] == "1000"  # see test_spark_session.py
     assert conf["spark.jars"].split(",") == [str(tmp_path / "jars" / j) for j in sorted(JARS)]
     # extra_conf has the last word.
     assert (conf["spark.sql.shuffle.partitions"], conf["spark.x"]) == ("5", "y")

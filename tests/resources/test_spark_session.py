@@ -29,6 +29,8 @@ def _compiled(spark) -> int:
 def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_ones(
     broker, kafka, spark, create_topic, lake
 ):
+    # The suite's session is SparkResource's (tests/conftest.py), with the resource's cache.
+    assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
     spec = table.spec(create_topic("session-codegen", partitions=PARTITIONS))
     changes = [
         table.change("c" if hour == 0 else "u", row_id, 100 * hour + row_id, hour=hour, second=1)
