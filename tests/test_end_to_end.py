@@ -123,9 +123,6 @@ def deployment(broker, pg, s3, spark, tmp_path):
             "DAGSTER_HOME": str(home),
             "CDC_TABLES_FILE": str(tables),
             "CDC_KAFKA_BOOTSTRAP_SERVERS": broker,
-            # The sensors tick every 5 s, not 30: the downstream runs start seconds after the
-            # mirrors' run, and the test waits on the pipeline, not on the sensors' timers.
-            "CDC_SENSOR_INTERVAL_SECONDS": "5",
             # The lake on S3, reached as a deployment reaches it: AWS's own variables, which
             # code_location/definitions.py hands to the lake's S3Resource (keys as dg.EnvVar).
             "CDC_LAKE_ROOT": f"s3://{s3.bucket}/{prefix}",

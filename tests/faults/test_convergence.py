@@ -13,9 +13,10 @@ check (I2) must pass too.
 
 How many schedules run is the Hypothesis profile's `max_examples` (tests/conftest.py): CI
 (`CI=true`, the `ci` profile) runs 20, derandomized, so the same 20 schedules every run: 112
-table-hours, measured at 537 s in the whole suite run in one process on the two-core machine
-(2026-11-26). A small table-hour is about 3 s of MERGE and 3 s of the prior-rows count, and the
-JVM's JIT compilers take a large share of its CPU (`python -m benchmarks.small_hours`).
+table-hours, measured at 537 s and 558 s in two whole-suite runs in one process on the two-core
+machine (2026-11-26, before and after Spark's code cache was sized for a table-hour's classes:
+no gain here, unexplained). A small table-hour is about 3 s of MERGE and 3 s of the prior-rows
+count (`python -m benchmarks.small_hours`).
 Locally the `dev` profile draws 20 new schedules each
 run and replays a failing one first (kept in `.local/hypothesis`); `--hypothesis-profile=deep`
 draws 200. With the MERGE's sequence guard removed, the `ci` run fails and shrinks to a single
