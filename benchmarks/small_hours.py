@@ -36,7 +36,7 @@ from devtools import kafka_broker
 from devtools.processes import port_free
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
-from resources.spark import SparkResource
+from resources.spark import SparkResource, compiled_classes
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
@@ -99,11 +99,6 @@ def _send(bootstrap: str, topic: str, hours: int, changes: int) -> list[tuple]:
     return records
 
 
-def _codegen_compiles(spark) -> int:
-    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
-    return int(metrics.METRIC_COMPILATION_TIME().getCount())
-
-
 def _cmdline(process: psutil.Process) -> str:
     """A child's command line; "" for one that has exited (a zombie until it is reaped)."""
     try:
@@ -148,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for hour in range(args.hours):
             key = (FIRST + timedelta(hours=hour)).strftime(HOUR_FORMAT)
-            before = (time.monotonic(), _cpu(jvm), _cpu(me), _codegen_compiles(spark))
+            before = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             result = run_hour(
                 spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key, checks=MIRROR_CHECKS
             )
-            after = (time.monotonic(), _cpu(jvm), _cpu(me), _codegen_compiles(spark))
+            after = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))
             failed = [c.check_name for c in result.expectations if not c.success]
             rows.append((wall, jvm_s, python_s, compiles))

@@ -49,6 +49,13 @@ def session_settings(spark: SparkSession, settings: Mapping[str, str]) -> Iterat
                 spark.conf.set(name, value)
 
 
+def compiled_classes(spark: SparkSession) -> int:
+    """The classes Spark's code generation has compiled in this JVM so far (its cache misses):
+    what `codegen_cache_entries` saves, counted by benchmarks/small_hours and its test."""
+    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
+    return int(metrics.METRIC_COMPILATION_TIME().getCount())
+
+
 class SparkJarsMissingError(RuntimeError):
     pass
 

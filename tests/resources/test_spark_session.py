@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from resources.spark import compiled_classes
 from tests.faults import table
 
 pytestmark = pytest.mark.integration
@@ -19,11 +20,6 @@ PARTITIONS = 2
 # Classes a later hour may compile: those with the hour's own literals (about 20 in
 # benchmarks/small_hours), far from the ~110 every hour compiled with Spark's default cache.
 AT_MOST = 45
-
-
-def _compiled(spark) -> int:
-    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
-    return int(metrics.METRIC_COMPILATION_TIME().getCount())
 
 
 def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_ones(
@@ -43,9 +39,9 @@ def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_o
 
     compiled = []
     for hour in range(4):
-        before = _compiled(spark)
+        before = compiled_classes(spark)
         result = run(hour)
-        compiled.append(_compiled(spark) - before)
+        compiled.append(compiled_classes(spark) - before)
         assert result.counts.applied == 5, (hour, result.counts)
     # The first hour creates the table and the second is the first MERGE into rows: both
     # compile most of what later hours reuse.
