@@ -67,11 +67,16 @@ class _Input:
     @classmethod
     def of(cls, batch: pa.RecordBatch) -> _Input:
         count = batch.num_rows
-        headers = (
-            batch.column("headers").to_pylist()
-            if "headers" in batch.schema.names
-            else [None] * count
-        )
+        names = batch.schema.names
+        if "headers" in names:  # a slice read in the driver (`read.read_slice_locally`)
+            headers = batch.column("headers").to_pylist()
+        elif d.OLD_KEY in names:  # Spark's read sends the one header read (`d.decoder_input`)
+            headers = [
+                None if old is None else [{"key": d.OLD_KEY_HEADER, "value": old}]
+                for old in batch.column(d.OLD_KEY).to_pylist()
+            ]
+        else:
+            headers = [None] * count
         return cls(
             batch,
             batch.column("key").to_pylist(),

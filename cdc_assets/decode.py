@@ -45,7 +45,8 @@ from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import encodings as enc
@@ -590,7 +591,8 @@ class RecordDecoder:
 
     def decode_batch(self, batch: pa.RecordBatch, *, fast: bool = True) -> pa.RecordBatch:
         """Decodes a batch of Kafka rows (key, value, topic, partition, offset, timestamp and,
-        optionally, headers) into the frame `DecodePlan.spark_schema` describes.
+        optionally, the headers or the old key's header, `decoder_input`) into the frame
+        `DecodePlan.spark_schema` describes.
 
         Most records are read a column at a time (`cdc_assets.batch_decode`); `fast=False`
         reads every one with `decode` alone, which gives the same batch, slower."""
@@ -884,9 +886,6 @@ def arrow_schema(plan: DecodePlan) -> pa.Schema:
     )
 
 
-_INPUT_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp", "headers")
-
-
 def decode(
     records: DataFrame,
     spec: TableSpec,
@@ -912,8 +911,31 @@ def decode(
         for batch in batches:
             yield decoder.decode_batch(batch)
 
-    present = [c for c in _INPUT_COLUMNS if c in records.columns]
-    return records.select(*present).mapInArrow(run, plan.spark_schema())
+    return records.select(*decoder_input(records, plan)).mapInArrow(run, plan.spark_schema())
+
+
+# The old key's header value, on a table with toasted columns: the one header the decoder reads.
+OLD_KEY = "_cdc_old_key"
+_KAFKA_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp")
+
+
+def decoder_input(records: DataFrame, plan: DecodePlan) -> list[Column]:
+    """What the Python workers get of Spark's Kafka rows: every column but the headers, and, for
+    a table with toasted columns, the value of the first `__debezium.oldkey` header (`OLD_KEY`,
+    binary, null when there is none), the one header the decoder reads. The headers array stays
+    in the JVM: Spark's Arrow conversion of an array column costs about what reading the
+    records from Kafka does, even when every array is empty (docs/benchmark.md)."""
+    present = [F.col(c) for c in _KAFKA_COLUMNS if c in records.columns]
+    if plan.toasted and "headers" in records.columns:
+        old_key = F.try_element_at(
+            F.filter(
+                "headers",
+                lambda h: (h["key"] == F.lit(OLD_KEY_HEADER)) & h["value"].isNotNull(),
+            ),
+            F.lit(1),
+        )["value"]
+        present.append(old_key.alias(OLD_KEY))
+    return present
 
 
 def decode_locally(

@@ -1,0 +1,78 @@
+"""Spark's read reaches the decoder narrowed to what it reads (`decode.decoder_input`): the key,
+value, topic, partition, offset and timestamp, and the old key's header on a table with toasted columns. The rows
+Spark's Python workers decode must be the ones the decoder gives for the whole Kafka row, as a
+slice read in the driver passes it (every header included)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from cdc_assets.decode import (
+    MOVED_FROM,
+    OLD_KEY,
+    DecodePlan,
+    RecordDecoder,
+    decode,
+    decoder_input,
+)
+from tests.cdc_assets.test_batch_decode import COLUMNS, _assert_same, _batch, _record, _spec
+
+HOUR = "2026-11-02-06:00"
+OTHER = {"key": "traceparent", "value": b"00-0af7651916cd43dd8448eb211c80319c-01"}
+NULL_OLD_KEY = {"key": "__debezium.oldkey", "value": None}
+OLD_KEY_2 = {"key": "__debezium.oldkey", "value": b'{"id":2}'}
+
+
+def _create(key_id: int, headers: list | None) -> tuple:
+    row = dict.fromkeys(COLUMNS) | {"id": key_id, "note": "moved"}
+    envelope = {"before": None, "after": row, "source": {"lsn": 50, "ts_ms": 1}, "op": "c"}
+    return b'{"id":%d}' % key_id, json.dumps(envelope).encode(), headers
+
+
+# Row 3 moved from key 2 (its old key behind other headers), row 4 has headers but no move.
+MOVES = [_create(3, [OTHER, NULL_OLD_KEY, OLD_KEY_2]), _create(4, [OTHER])]
+
+
+def _with_other_headers(record: tuple, choice: int) -> tuple:
+    """The record with headers the decoder must skip: another header, and an old-key header
+    without a value, before the one it reads (a record may have several)."""
+    key, value, headers = record
+    extra = [[], [OTHER], [OTHER, NULL_OLD_KEY], [NULL_OLD_KEY]][choice]
+    if not extra:
+        return record
+    return key, value, [*extra, *(headers or [])]
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    phases=(Phase.generate,),  # a Spark job per example: no shrinking
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(data=st.data(), toasted=st.booleans())
+def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted):
+    spec = _spec("string")
+    if not toasted:
+        spec = spec.model_copy(update={"toasted_columns": ()})
+    drawn = data.draw(st.lists(_record("string"), min_size=1, max_size=60))
+    choices = data.draw(st.lists(st.integers(0, 3), min_size=len(drawn), max_size=len(drawn)))
+    records = _batch(
+        [*MOVES, *(_with_other_headers(r, c) for r, c in zip(drawn, choices, strict=True))]
+    )
+    whole = RecordDecoder(DecodePlan.of(spec, hour_key=HOUR)).decode_batch(records)
+    if toasted:  # the decoder follows the old key's header, and only it
+        assert whole.column(MOVED_FROM).to_pylist()[:2] == [{"id": 2}, None]
+
+    kafka_rows = spark.createDataFrame(pa.Table.from_batches([records])).coalesce(1)
+    narrowed = kafka_rows.select(*decoder_input(kafka_rows, DecodePlan.of(spec, hour_key=HOUR)))
+    kafka = {"key", "value", "topic", "partition", "offset", "timestamp"}
+    assert set(narrowed.columns) == kafka | (
+        {OLD_KEY} if toasted else set()
+    )
+    in_spark = decode(kafka_rows, spec, hour_key=HOUR).toArrow()
+    assert in_spark.num_rows == whole.num_rows
+    _assert_same(in_spark.combine_chunks().to_batches()[0], whole)
