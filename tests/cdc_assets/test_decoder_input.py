@@ -1,5 +1,5 @@
-"""Spark's read reaches the decoder narrowed to what it reads (`decode.decoder_input`): the key,
-value, topic, partition, offset and timestamp, and the old key's header on a table with toasted columns. The rows
+"""Spark's read reaches the decoder narrowed to what it reads (`decode.decoder_input`): every
+Kafka column but the headers, and the old key's header on a table with toasted columns. The rows
 Spark's Python workers decode must be the ones the decoder gives for the whole Kafka row, as a
 slice read in the driver passes it (every header included)."""
 
@@ -70,9 +70,7 @@ def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted)
     kafka_rows = spark.createDataFrame(pa.Table.from_batches([records])).coalesce(1)
     narrowed = kafka_rows.select(*decoder_input(kafka_rows, DecodePlan.of(spec, hour_key=HOUR)))
     kafka = {"key", "value", "topic", "partition", "offset", "timestamp"}
-    assert set(narrowed.columns) == kafka | (
-        {OLD_KEY} if toasted else set()
-    )
+    assert set(narrowed.columns) == kafka | ({OLD_KEY} if toasted else set())
     in_spark = decode(kafka_rows, spec, hour_key=HOUR).toArrow()
     assert in_spark.num_rows == whole.num_rows
     _assert_same(in_spark.combine_chunks().to_batches()[0], whole)
