@@ -68,15 +68,18 @@ class _Input:
     def of(cls, batch: pa.RecordBatch) -> _Input:
         count = batch.num_rows
         names = batch.schema.names
-        if "headers" in names:  # a slice read in the driver (`read.read_slice_locally`)
-            headers = batch.column("headers").to_pylist()
-        elif d.OLD_KEY in names:  # Spark's read sends the one header read (`d.decoder_input`)
-            headers = [
-                None if old is None else [{"key": d.OLD_KEY_HEADER, "value": old}]
-                for old in batch.column(d.OLD_KEY).to_pylist()
-            ]
+        # The one header the decoder reads, whichever way the slice was read: every header (a
+        # slice read in the driver, `read.read_slice_locally`) or its value alone (Spark's read,
+        # `d.decoder_input`). So other headers send no record to the exact pass.
+        if "headers" in names:
+            old_keys = [d.old_key_value(h) for h in batch.column("headers").to_pylist()]
+        elif d.OLD_KEY_COLUMN in names:
+            old_keys = batch.column(d.OLD_KEY_COLUMN).to_pylist()
         else:
-            headers = [None] * count
+            old_keys = [None] * count
+        headers = [
+            None if old is None else [{"key": d.OLD_KEY_HEADER, "value": old}] for old in old_keys
+        ]
         return cls(
             batch,
             batch.column("key").to_pylist(),

@@ -78,6 +78,8 @@ TALLY = "_cdc_tally"
 # Debezium's stand-in for a TOASTed value the change doesn't carry (it did not change).
 UNAVAILABLE = "__debezium_unavailable_value"
 OLD_KEY_HEADER = "__debezium.oldkey"
+# Spark's read sends the decoder that header's value alone, in this column (`decoder_input`).
+OLD_KEY_COLUMN = "_cdc_old_key"
 _UNAVAILABLE_BASE64 = base64.b64encode(UNAVAILABLE.encode()).decode()
 _UNAVAILABLE_HEX = binascii.hexlify(UNAVAILABLE.encode()).decode()
 _SCHEMA_PREFIX = b'{"schema":'
@@ -559,10 +561,8 @@ class RecordDecoder:
                 raise _Bad(f"the Kafka key's '{pk}' differs from the row's primary key")
 
     def _moved_from(self, row_plan: _RowPlan, headers: list) -> dict[str, Any] | None:
-        for header in headers:
-            if header.get("key") == OLD_KEY_HEADER and header.get("value") is not None:
-                return self._header_key(header["value"])
-        return None
+        raw = old_key_value(headers)
+        return None if raw is None else self._header_key(raw)
 
     def _header_key(self, raw: bytes) -> dict[str, Any]:
         """The old key in Kafka Connect's default header format (SimpleHeaderConverter).
@@ -914,17 +914,26 @@ def decode(
     return records.select(*decoder_input(records, plan)).mapInArrow(run, plan.spark_schema())
 
 
-# The old key's header value, on a table with toasted columns: the one header the decoder reads.
-OLD_KEY = "_cdc_old_key"
 _KAFKA_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp")
+
+
+def old_key_value(headers: list | None) -> bytes | None:
+    """The value of a record's first `__debezium.oldkey` header that has one: the one header
+    the decoder reads. `decoder_input` picks the same one in Spark (tests/cdc_assets/
+    test_decoder_input.py holds the two to the same rows)."""
+    for header in headers or ():
+        if header.get("key") == OLD_KEY_HEADER and header.get("value") is not None:
+            return header["value"]
+    return None
 
 
 def decoder_input(records: DataFrame, plan: DecodePlan) -> list[Column]:
     """What the Python workers get of Spark's Kafka rows: every column but the headers, and, for
-    a table with toasted columns, the value of the first `__debezium.oldkey` header (`OLD_KEY`,
-    binary, null when there is none), the one header the decoder reads. The headers array stays
-    in the JVM: Spark's Arrow conversion of an array column costs about what reading the
-    records from Kafka does, even when every array is empty (docs/benchmark.md)."""
+    a table with toasted columns, the value of the first `__debezium.oldkey` header that has
+    one (`OLD_KEY_COLUMN`, binary, null when there is none: the header `old_key_value` picks).
+    The headers array stays in the JVM: Spark's Arrow conversion of an array column costs about
+    what reading the records from Kafka does, even when every array is empty
+    (docs/benchmark.md, "Where ours spends its time")."""
     present = [F.col(c) for c in _KAFKA_COLUMNS if c in records.columns]
     if plan.toasted and "headers" in records.columns:
         old_key = F.try_element_at(
@@ -934,7 +943,7 @@ def decoder_input(records: DataFrame, plan: DecodePlan) -> list[Column]:
             ),
             F.lit(1),
         )["value"]
-        present.append(old_key.alias(OLD_KEY))
+        present.append(old_key.alias(OLD_KEY_COLUMN))
     return present
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cdc_assets.decode import (
+    ERROR,
     MOVED_FROM,
-    OLD_KEY,
+    OLD_KEY_COLUMN,
     DecodePlan,
     RecordDecoder,
     decode,
@@ -25,6 +27,8 @@ HOUR = "2026-11-02-06:00"
 OTHER = {"key": "traceparent", "value": b"00-0af7651916cd43dd8448eb211c80319c-01"}
 NULL_OLD_KEY = {"key": "__debezium.oldkey", "value": None}
 OLD_KEY_2 = {"key": "__debezium.oldkey", "value": b'{"id":2}'}
+OLD_KEY_9 = {"key": "__debezium.oldkey", "value": b'{"id":9}'}
+NOT_JSON = {"key": "__debezium.oldkey", "value": b"not json"}
 
 
 def _create(key_id: int, headers: list | None) -> tuple:
@@ -33,8 +37,14 @@ def _create(key_id: int, headers: list | None) -> tuple:
     return b'{"id":%d}' % key_id, json.dumps(envelope).encode(), headers
 
 
-# Row 3 moved from key 2 (its old key behind other headers), row 4 has headers but no move.
-MOVES = [_create(3, [OTHER, NULL_OLD_KEY, OLD_KEY_2]), _create(4, [OTHER])]
+# Row 3 moved from key 2 (its old key behind other headers), row 4 has headers but no move,
+# row 5 moved from key 2 (the first of two old keys), row 6's old key is not JSON (an error).
+MOVES = [
+    _create(3, [OTHER, NULL_OLD_KEY, OLD_KEY_2]),
+    _create(4, [OTHER]),
+    _create(5, [OLD_KEY_2, OLD_KEY_9]),
+    _create(6, [NOT_JSON, OLD_KEY_2]),
+]
 
 
 def _with_other_headers(record: tuple, choice: int) -> tuple:
@@ -53,7 +63,8 @@ def _with_other_headers(record: tuple, choice: int) -> tuple:
     phases=(Phase.generate,),  # a Spark job per example: no shrinking
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(data=st.data(), toasted=st.booleans())
+@given(data=st.data())
+@pytest.mark.parametrize("toasted", [True, False])
 def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted):
     spec = _spec("string")
     if not toasted:
@@ -64,13 +75,14 @@ def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted)
         [*MOVES, *(_with_other_headers(r, c) for r, c in zip(drawn, choices, strict=True))]
     )
     whole = RecordDecoder(DecodePlan.of(spec, hour_key=HOUR)).decode_batch(records)
-    if toasted:  # the decoder follows the old key's header, and only it
-        assert whole.column(MOVED_FROM).to_pylist()[:2] == [{"id": 2}, None]
+    if toasted:  # the decoder follows the first old key's header, and only it
+        assert whole.column(MOVED_FROM).to_pylist()[:3] == [{"id": 2}, None, {"id": 2}]
+        assert "__debezium.oldkey" in whole.column(ERROR).to_pylist()[3]
 
     kafka_rows = spark.createDataFrame(pa.Table.from_batches([records])).coalesce(1)
     narrowed = kafka_rows.select(*decoder_input(kafka_rows, DecodePlan.of(spec, hour_key=HOUR)))
     kafka = {"key", "value", "topic", "partition", "offset", "timestamp"}
-    assert set(narrowed.columns) == kafka | ({OLD_KEY} if toasted else set())
+    assert set(narrowed.columns) == kafka | ({OLD_KEY_COLUMN} if toasted else set())
     in_spark = decode(kafka_rows, spec, hour_key=HOUR).toArrow()
     assert in_spark.num_rows == whole.num_rows
     _assert_same(in_spark.combine_chunks().to_batches()[0], whole)
