@@ -129,6 +129,7 @@ PARSE_ONLY_MODULES = {
     "benchmarks.auto_cdc",
     "benchmarks.deletion_vectors",
     "benchmarks.small_hours",
+    "benchmarks.decode_stage",
 }
 RUN_MODULES = {"checks.report", "tests.faults.report"}
 RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
