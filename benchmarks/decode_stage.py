@@ -30,10 +30,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
-from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from benchmarks.run import topic_slice
 from benchmarks.variants import SPARK_MEMORY
 from cdc_assets import hour_run
 from cdc_assets.config import TableSpec
@@ -65,13 +65,7 @@ def _slice(job: dict) -> HourSlice:
 
 def _check_topic(bootstrap: str, job: dict) -> None:
     """The topic must still hold the job's slice (a later benchmark run makes it anew)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
-    try:
-        tps = [TopicPartition(job["topic"], int(p)) for p in job["slice"]]
-        starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
-    finally:
-        consumer.close()
-    held = {str(tp.partition): [starts[tp], ends[tp]] for tp in tps}
+    held = topic_slice(bootstrap, job["topic"])
     if held != job["slice"]:
         raise SystemExit(
             f"topic {job['topic']} holds {held}, not the case's slice {job['slice']}: run "
