@@ -22,10 +22,13 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
 
+from resources import jvm_archive
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JARS_DIR = REPO_ROOT / ".jars" / "spark"
 DEFAULT_S3_JARS_DIR = REPO_ROOT / ".jars" / "s3"
 DEFAULT_LOG_STORE_DIR = REPO_ROOT / ".jars" / "log-store"
+DEFAULT_JVM_ARCHIVE_DIR = REPO_ROOT / ".jars" / "jvm-archive"
 # Delta reads its log store class for a scheme from the SparkConf the session starts with
 # (DelegatingLogStore: SparkEnv's conf), so it can't be set on a running session.
 LOG_STORE_CONF = "spark.delta.logStore.s3a.impl"
@@ -161,6 +164,14 @@ class SparkResource(dg.ConfigurableResource):
         ),
     )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
+    jvm_archive_dir: str = Field(
+        default=str(DEFAULT_JVM_ARCHIVE_DIR),
+        description=(
+            "Folder of the driver JVM's class-data archive (scripts/install.sh makes it; "
+            "resources/jvm_archive.py): the driver starts on it when the archive of its java "
+            "and class path is there, else as without one."
+        ),
+    )
     python_executable: str | None = Field(
         default=None,
         description=(
@@ -202,7 +213,7 @@ class SparkResource(dg.ConfigurableResource):
                 conf["spark.jars"] += "," + store
                 conf[LOG_STORE_CONF] = CONDITIONAL_PUT_LOG_STORE
         conf.update(self.extra_conf)
-        return conf
+        return jvm_archive.with_archive(conf, Path(self.jvm_archive_dir))
 
     @property
     def session(self) -> SparkSession:

@@ -125,3 +125,9 @@ if [ ! -f "$store_jar" ]; then
   jar cf "$store_jar" -C .jars/log-store/classes .
   rm -rf .jars/log-store/classes
 fi
+
+# The Spark driver's class-data archive (resources/jvm_archive.py): a session's JVM maps Spark's,
+# Delta's and Kafka's classes from it instead of loading them one by one. Made once per java and
+# class path (about a minute); without it a session starts as it would anyway, only slower.
+.venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
+  echo "install: no class-data archive for the Spark driver (sessions start without one)" >&2

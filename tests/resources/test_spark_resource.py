@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from resources import jvm_archive
 from resources.spark import (
     CONDITIONAL_PUT_LOG_STORE,
     LOG_STORE_CONF,
@@ -70,3 +71,33 @@ def test_the_s3_jars_go_on_the_class_path_with_the_conditional_put_log_store(tmp
 def test_hadoop_aws_of_another_hadoop_than_pysparks_is_refused(tmp_path):
     with pytest.raises(SparkJarsMissingError, match=r"hadoop-aws-1\.0\.0\.jar .* does not match"):
         s3_class_path(_dir(tmp_path / "s3", "hadoop-aws-1.0.0.jar"))
+
+
+def test_the_driver_starts_on_the_class_archive_made_for_its_java_and_class_path(tmp_path):
+    jars, archives = _dir(tmp_path / "jars", *JARS), tmp_path / "archives"
+    options = {jvm_archive.DRIVER_OPTIONS: "-Dmine=1"}
+
+    def conf() -> dict[str, str]:
+        return SparkResource(
+            jars_dir=str(jars),
+            s3_jars_dir=str(tmp_path / "none"),
+            jvm_archive_dir=str(archives),
+            extra_conf=options,
+        ).spark_config()
+
+    assert conf()[jvm_archive.DRIVER_OPTIONS] == "-Dmine=1"  # no archive made: none used
+    archive = jvm_archive.archive_path(conf(), archives)
+    _dir(archives, archive.name)
+    assert conf()[jvm_archive.DRIVER_OPTIONS] == f"-Dmine=1 -XX:SharedArchiveFile={archive}"
+    # Another class path (a jar more, or one of another size) is another archive's.
+    _dir(jars, "y.jar")
+    assert jvm_archive.archive_path(conf(), archives) != archive
+    assert conf()[jvm_archive.DRIVER_OPTIONS] == "-Dmine=1"
+
+
+def test_the_class_archive_follows_the_jars_behind_a_class_path_wildcard(tmp_path):
+    s3 = _dir(tmp_path / "s3", "hadoop-aws-3.5.0.jar")
+    conf = {"spark.jars": "a.jar", "spark.driver.extraClassPath": f"{s3}/*"}
+    before = jvm_archive.archive_path(conf, tmp_path)
+    (s3 / "hadoop-aws-3.5.0.jar").write_bytes(b"other")
+    assert jvm_archive.archive_path(conf, tmp_path) != before

@@ -9,8 +9,11 @@ classes whose code inlines a value of that hour (a key bound, a timestamp) are c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from resources import jvm_archive
 from resources.spark import compiled_classes
 from tests.faults import table
 
@@ -46,3 +49,14 @@ def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_o
     # The first hour creates the table and the second is the first MERGE into rows: both
     # compile most of what later hours reuse.
     assert max(compiled[2:]) <= AT_MOST, compiled
+
+
+def test_the_driver_jvm_maps_the_class_archive_install_made(spark, spark_resource):
+    # scripts/install.sh makes the archive of this java and class path before the tests run; a
+    # driver that started without it (none made, or its options lost) loads every class itself.
+    archive = jvm_archive.archive_path(
+        spark_resource.spark_config(), Path(spark_resource.jvm_archive_dir)
+    )
+    assert archive is not None and archive.is_file(), "no class archive: run scripts/install.sh"
+    pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+    assert str(archive) in Path(f"/proc/{pid}/maps").read_text()
