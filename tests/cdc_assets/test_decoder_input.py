@@ -21,7 +21,13 @@ from cdc_assets.decode import (
     decode,
     decoder_input,
 )
-from tests.cdc_assets.test_batch_decode import COLUMNS, _assert_same, _batch, _record, _spec
+from tests.cdc_assets.decoder_records import (
+    COLUMNS,
+    assert_same,
+    batch_of,
+    debezium_record,
+    spec_for,
+)
 
 HOUR = "2026-11-02-06:00"
 OTHER = {"key": "traceparent", "value": b"00-0af7651916cd43dd8448eb211c80319c-01"}
@@ -66,12 +72,12 @@ def _with_other_headers(record: tuple, choice: int) -> tuple:
 @given(data=st.data())
 @pytest.mark.parametrize("toasted", [True, False])
 def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted):
-    spec = _spec("string")
+    spec = spec_for("string")
     if not toasted:
         spec = spec.model_copy(update={"toasted_columns": ()})
-    drawn = data.draw(st.lists(_record("string"), min_size=1, max_size=60))
+    drawn = data.draw(st.lists(debezium_record("string"), min_size=1, max_size=60))
     choices = data.draw(st.lists(st.integers(0, 3), min_size=len(drawn), max_size=len(drawn)))
-    records = _batch(
+    records = batch_of(
         [*MOVES, *(_with_other_headers(r, c) for r, c in zip(drawn, choices, strict=True))]
     )
     whole = RecordDecoder(DecodePlan.of(spec, hour_key=HOUR)).decode_batch(records)
@@ -85,4 +91,4 @@ def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted)
     assert set(narrowed.columns) == kafka | ({OLD_KEY_COLUMN} if toasted else set())
     in_spark = decode(kafka_rows, spec, hour_key=HOUR).toArrow()
     assert in_spark.num_rows == whole.num_rows
-    _assert_same(in_spark.combine_chunks().to_batches()[0], whole)
+    assert_same(in_spark.combine_chunks().to_batches()[0], whole)
