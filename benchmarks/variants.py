@@ -88,6 +88,7 @@ def _plain_session(job: dict, *, shuffle_partitions: int | None):
     """A Spark session with the project's jars, as a user's script would build one."""
     from pyspark.sql import SparkSession
 
+    from resources import jvm_archive
     from resources.spark import SparkResource
 
     conf = SparkResource(driver_memory=SPARK_MEMORY).spark_config()
@@ -102,8 +103,10 @@ def _plain_session(job: dict, *, shuffle_partitions: int | None):
         "spark.sql.catalog.spark_catalog",
         "spark.ui.enabled",
         "spark.sql.session.timeZone",
+        jvm_archive.DRIVER_OPTIONS,  # the driver's class archive, as ours gets it
     ):
-        builder = builder.config(key, conf[key])
+        if key in conf:
+            builder = builder.config(key, conf[key])
     if shuffle_partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
     return builder.appName(f"bench-{job['variant']}").getOrCreate()

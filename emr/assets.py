@@ -173,6 +173,8 @@ class SparkSubmitLaunch(PipesLaunch):
             shuffle_partitions=self.shuffle_partitions,
             jars_dir=self.jars_dir,
             extra_conf=self.conf,
+            # The driver runs where spark-submit puts it, not on this host's class archive.
+            jvm_archive_dir=None,
         )
         command = [self.spark_submit]
         for key, value in spark.spark_config().items():

@@ -6,23 +6,30 @@ its first job. The JDK's application class-data sharing (AppCDS) stores them onc
 verified, in an archive the JVM maps at start. `scripts/install.sh` makes it (`main`, into
 `.jars/jvm-archive/`; delete that folder to have it made again): a session started with
 `-XX:ArchiveClassesAtExit` runs a small workload through the paths an hour takes (Delta writes,
-a MERGE with deletion vectors, Arrow to Python and back, reads with filters, aggregations) and
-stops. `SparkResource` then starts the driver with `-XX:SharedArchiveFile` when the archive for
-its JVM and class path exists.
+a MERGE with deletion vectors, Arrow to Python and back, reads with filters, aggregations, the
+Kafka source's relation) and stops. `SparkResource` then starts the driver with
+`-XX:SharedArchiveFile` (in `spark.driver.defaultJavaOptions`, so `extraJavaOptions` stay the
+host's and the user's) when the archive for its JVM and class path exists; `jvm_archive_dir:
+None` turns it off, and so do JVM options that choose their own class sharing.
 
-The archive's name is a digest of what it depends on: the java binary, pyspark's version, and
-the jars the session puts on the class path. Change any of them and the name changes: no
-archive is found, the JVM starts as it did without one, and the next `scripts/install.sh`
-makes the new one. A JVM that can't use a found archive (a different JDK build at the same
-path) prints one warning and starts without it; nothing depends on the archive but the time.
+The archive's name is a digest of what the JVM checks before it uses one: the java binary,
+pyspark's jars, the jars the session puts on the class path (each with its size and time), the
+environment variables that add to the class path, and whether the heap is small enough for
+compressed pointers. Change any of them and the name changes: no archive is found, the JVM
+starts as it did without one, and the next `scripts/install.sh` makes the new one. A JVM that
+still can't use a found archive (a different JDK build at the same path and time) starts
+without it; nothing depends on the archive but the time.
 """
 
 from __future__ import annotations
 
-import argparse
+import fcntl
 import hashlib
 import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,25 +38,55 @@ from pathlib import Path
 
 import pyspark
 
-DRIVER_OPTIONS = "spark.driver.extraJavaOptions"
-# What decides which classes the JVM loads from where, besides the java binary and pyspark.
+# Spark's launcher puts these before spark.driver.extraJavaOptions on the driver's command line:
+# the archive goes here, so a host's extraJavaOptions (spark-defaults.conf) and a user's stay.
+DRIVER_OPTIONS = "spark.driver.defaultJavaOptions"
+_USER_OPTIONS = (DRIVER_OPTIONS, "spark.driver.extraJavaOptions")
+# Options that choose their own class sharing: the driver then gets no archive from here.
+_OWN_SHARING = re.compile(r"SharedArchiveFile|ArchiveClassesAtExit|-Xshare:off")
+# What decides which classes the JVM loads from where, besides the java binary and pyspark's.
 _CLASS_PATH_CONF = ("spark.jars", "spark.driver.extraClassPath")
+_CLASS_PATH_ENV = (
+    "SPARK_HOME",
+    "SPARK_CONF_DIR",
+    "SPARK_CLASSPATH",
+    "SPARK_DIST_CLASSPATH",
+    "HADOOP_CONF_DIR",
+    "YARN_CONF_DIR",
+)
+_HEAP = re.compile(r"(\d+)([kmgt]?)b?", re.IGNORECASE)
 
 
 def java_binary() -> Path | None:
-    """The java that pyspark's launcher (spark-submit) runs: JAVA_HOME's, else PATH's."""
+    """The java that pyspark's launcher (spark-submit, bin/spark-class) runs: JAVA_HOME's if
+    set, else PATH's (devtools.processes.java, for the local servers, falls back to PATH)."""
     home = os.environ.get("JAVA_HOME")
     found = str(Path(home) / "bin" / "java") if home else shutil.which("java")
     return Path(found).resolve() if found and Path(found).exists() else None
 
 
 def _entries(class_path: str) -> list[str]:
-    """A class path conf's entries, each `dir/*` expanded to its jars (name and size)."""
+    """A class path's jars, `dir/*` expanded, each with its size and time: the JVM refuses an
+    archive whose jars differ in either from the ones it was made with."""
     out = []
     for entry in filter(None, class_path.replace(os.pathsep, ",").split(",")):
         paths = sorted(Path(entry[:-1]).glob("*.jar")) if entry.endswith("*") else [Path(entry)]
-        out += [f"{p}:{p.stat().st_size if p.exists() else -1}" for p in paths]
+        for path in paths:
+            stat = path.stat() if path.exists() else None
+            out.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}" if stat else f"{path}:-")
     return out
+
+
+def _compressed_oops(conf: Mapping[str, str]) -> bool:
+    """Whether the driver JVM uses compressed object pointers (a heap under 32 GiB, no ZGC):
+    the JDK keeps a base archive for each case, and a dynamic archive belongs to one."""
+    options = " ".join(conf.get(name, "") for name in _USER_OPTIONS)
+    heap = _HEAP.fullmatch(conf.get("spark.driver.memory", "1g").strip())
+    if heap is None:
+        return "UseZGC" not in options
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    size = int(heap.group(1)) * scale[heap.group(2).lower() or "m"]  # Spark's unit: MiB
+    return size < 32 << 30 and "UseZGC" not in options
 
 
 def archive_path(conf: Mapping[str, str], folder: Path) -> Path | None:
@@ -58,20 +95,30 @@ def archive_path(conf: Mapping[str, str], folder: Path) -> Path | None:
     if java is None:
         return None
     stat = java.stat()
-    parts = [f"{java}:{stat.st_size}:{stat.st_mtime_ns}", f"pyspark {pyspark.__version__}"]
+    spark_home = Path(os.environ.get("SPARK_HOME") or Path(pyspark.__file__).parent)
+    parts = [
+        f"{java}:{stat.st_size}:{stat.st_mtime_ns}",
+        f"pyspark {pyspark.__version__}",
+        *_entries(f"{spark_home / 'jars'}/*"),
+        *(f"{name}={os.environ.get(name, '')}" for name in _CLASS_PATH_ENV),
+        f"compressed oops: {_compressed_oops(conf)}",
+    ]
     for name in _CLASS_PATH_CONF:
         parts += [name, *_entries(conf.get(name, ""))]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return folder / f"spark-driver-{digest}.jsa"
 
 
-def with_archive(conf: dict[str, str], folder: Path) -> dict[str, str]:
-    """`conf` with the driver started on its archive when it exists (other options kept)."""
+def with_archive(conf: dict[str, str], folder: Path | None) -> dict[str, str]:
+    """`conf` with the driver started on its archive when it exists: unless `folder` is None
+    (off) or the conf's own JVM options choose their class sharing. Other options are kept."""
+    if folder is None or any(_OWN_SHARING.search(conf.get(n, "")) for n in _USER_OPTIONS):
+        return conf
     path = archive_path(conf, folder)
     if path is None or not path.is_file():
         return conf
-    options = conf.get(DRIVER_OPTIONS, "")
-    return {**conf, DRIVER_OPTIONS: f"{options} -XX:SharedArchiveFile={path}".strip()}
+    option = f"-XX:SharedArchiveFile={shlex.quote(str(path))}"  # Spark splits on whitespace
+    return {**conf, DRIVER_OPTIONS: f"{conf.get(DRIVER_OPTIONS, '')} {option}".strip()}
 
 
 def _workload(spark, work: Path) -> None:
@@ -118,17 +165,22 @@ def _workload(spark, work: Path) -> None:
     table.history(5).collect()
     spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
     table.optimize().executeZOrderBy("id")
+    # The Kafka source's relation (no broker is asked: nothing is read).
+    kafka = spark.read.format("kafka").option("kafka.bootstrap.servers", "127.0.0.1:9")
+    kafka.option("subscribe", "none").load()
 
 
 class ArchiveNotMadeError(RuntimeError):
-    """No archive came out (no java found, or the JVM wrote none)."""
+    """No archive came out (no java found, a session already running, or the JVM wrote none)."""
 
 
-def make(folder: Path, conf: dict[str, str], *, force: bool = False) -> Path:
+def make(folder: Path, conf: dict[str, str]) -> Path:
     """Makes the archive of sessions started with `conf` in `folder`, unless it is there.
 
     The JVM writes the archive when it exits: this stops the session and waits for its JVM,
-    then moves the file into place, so a JVM starting meanwhile never maps half of one.
+    then moves the file into place, so a JVM starting meanwhile never maps half of one. Two
+    installs at once take turns (a lock in `folder`); the second finds the first's archive.
+    Archives of other javas and class paths in `folder` are removed (each is about 200 MB).
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -136,58 +188,72 @@ def make(folder: Path, conf: dict[str, str], *, force: bool = False) -> Path:
     target = archive_path(conf, folder)
     if target is None:
         raise ArchiveNotMadeError("no java on PATH or under JAVA_HOME")
-    if target.is_file() and not force:
-        return target
+    if SparkContext._gateway is not None:
+        raise ArchiveNotMadeError("a Spark session already runs in this process")
     folder.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    partial.unlink(missing_ok=True)
-    # A dynamic archive can't be made on top of another: any archive option of `conf` goes.
-    options = [o for o in conf.get(DRIVER_OPTIONS, "").split() if "SharedArchiveFile" not in o]
-    # Classes it can't archive (not linked yet, from signed jars) are skipped, each with a warning.
-    options += [f"-XX:ArchiveClassesAtExit={partial}", "-Xlog:cds=error,cds+dynamic=error"]
-    conf = {**conf, DRIVER_OPTIONS: " ".join(options)}
-    builder = SparkSession.builder
-    for name, value in conf.items():
-        builder = builder.config(name, value)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the workload's Python workers
-    started = time.monotonic()
-    spark = builder.getOrCreate()
-    worked = False
-    try:
-        with tempfile.TemporaryDirectory() as work:
-            _workload(spark, Path(work))
-        worked = True
-    finally:
-        spark.stop()
-        gateway = SparkContext._gateway
-        process = gateway.proc
-        gateway.shutdown()
-        process.stdin.close()  # the JVM exits on its standard input's end, writing the archive
-        process.wait(timeout=600)
-        if not worked:
-            partial.unlink(missing_ok=True)  # an archive of a failed workload is never used
-    if not partial.is_file():
-        raise ArchiveNotMadeError(f"the JVM wrote no archive at {partial}")
-    for old in folder.glob("spark-driver-*.jsa"):
-        old.unlink()
-    partial.rename(target)
-    made = (
-        f"{target.name} ({target.stat().st_size >> 20} MiB) in {time.monotonic() - started:.0f} s"
-    )
-    print(f"jvm_archive: made {made}")  # noqa: T201  (install's output)
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        partial = target.with_suffix(f".{os.getpid()}.partial")
+        # Classes it can't archive (not linked yet, from signed jars) are skipped, each with a
+        # warning: those are kept out of install's output.
+        options = [
+            *shlex.split(conf.get(DRIVER_OPTIONS, "")),
+            f"-XX:ArchiveClassesAtExit={partial}",
+            "-Xlog:cds=error,cds+dynamic=error",
+        ]
+        builder = SparkSession.builder
+        for name, value in {**conf, DRIVER_OPTIONS: shlex.join(options)}.items():
+            builder = builder.config(name, value)
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the workload's Python workers
+        started = time.monotonic()
+        spark = builder.getOrCreate()
+        worked = False
+        try:
+            with tempfile.TemporaryDirectory() as work:
+                _workload(spark, Path(work))
+            worked = True
+        finally:
+            _stop_jvm(spark)
+            if not worked:
+                partial.unlink(missing_ok=True)  # an archive of a failed workload is never used
+        if not partial.is_file():
+            raise ArchiveNotMadeError(f"the JVM wrote no archive at {partial}")
+        for old in folder.glob("spark-driver-*.jsa"):
+            old.unlink()
+        partial.rename(target)
+    took = time.monotonic() - started
+    print(f"jvm_archive: made {target.name} ({target.stat().st_size >> 20} MiB) in {took:.0f} s")  # noqa: T201
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
+def _stop_jvm(spark) -> None:
+    """Stops the session and its JVM, which writes the archive as it exits."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    process = gateway.proc
+    try:
+        spark.stop()
+        gateway.shutdown()
+    finally:
+        SparkContext._gateway = SparkContext._jvm = None
+        process.stdin.close()  # the JVM exits on its standard input's end
+        try:
+            process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+
+
+def main() -> int:
     """scripts/install.sh's step: the archive of SparkResource's default session."""
     from resources.spark import SparkResource
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--force", action="store_true", help="make it again even if it exists")
-    args = parser.parse_args(argv)
     resource = SparkResource()
     try:
-        make(Path(resource.jvm_archive_dir), resource.spark_config(), force=args.force)
+        make(Path(resource.jvm_archive_dir), resource.spark_config())
     except ArchiveNotMadeError as exc:
         sys.stderr.write(f"jvm_archive: {exc}\n")
         return 1

@@ -164,12 +164,12 @@ class SparkResource(dg.ConfigurableResource):
         ),
     )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
-    jvm_archive_dir: str = Field(
+    jvm_archive_dir: str | None = Field(
         default=str(DEFAULT_JVM_ARCHIVE_DIR),
         description=(
             "Folder of the driver JVM's class-data archive (scripts/install.sh makes it; "
             "resources/jvm_archive.py): the driver starts on it when the archive of its java "
-            "and class path is there, else as without one."
+            "and class path is there, else as without one. None: never."
         ),
     )
     python_executable: str | None = Field(
@@ -213,7 +213,8 @@ class SparkResource(dg.ConfigurableResource):
                 conf["spark.jars"] += "," + store
                 conf[LOG_STORE_CONF] = CONDITIONAL_PUT_LOG_STORE
         conf.update(self.extra_conf)
-        return jvm_archive.with_archive(conf, Path(self.jvm_archive_dir))
+        archives = None if self.jvm_archive_dir is None else Path(self.jvm_archive_dir)
+        return jvm_archive.with_archive(conf, archives)
 
     @property
     def session(self) -> SparkSession:

@@ -2,7 +2,8 @@
 # Installs everything the project needs into the checkout: the virtualenv with the pinned
 # Python packages, the JVM jars from Maven Central (pom.xml → .jars/: Spark's, the Kafka broker,
 # Kafka Connect and Debezium's connectors; Delta's log store for S3 compiled from jvm/log-store),
-# and Debian's PostgreSQL and MariaDB (→ .tools/). Idempotent: a second run only checks. Needs
+# Debian's PostgreSQL and MariaDB (→ .tools/), and the Spark driver's class-data archive
+# (→ .jars/jvm-archive/, resources/jvm_archive.py). Idempotent: a second run only checks. Needs
 # python3.11, java 17 and mvn on PATH, and Debian's apt-get and dpkg-deb.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,6 +3,7 @@ rest on, the jars it finds, and the S3 pieces it adds only when they were resolv
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -73,31 +74,43 @@ def test_hadoop_aws_of_another_hadoop_than_pysparks_is_refused(tmp_path):
         s3_class_path(_dir(tmp_path / "s3", "hadoop-aws-1.0.0.jar"))
 
 
-def test_the_driver_starts_on_the_class_archive_made_for_its_java_and_class_path(tmp_path):
-    jars, archives = _dir(tmp_path / "jars", *JARS), tmp_path / "archives"
-    options = {jvm_archive.DRIVER_OPTIONS: "-Dmine=1"}
+def test_the_driver_starts_on_the_class_archive_made_for_its_java_and_class_path(
+    tmp_path, monkeypatch
+):
+    jars, archives = _dir(tmp_path / "jars", *JARS), tmp_path / "archive s"  # a space, quoted
+    extra = {"spark.driver.extraJavaOptions": "-Dmine=1"}
 
-    def conf() -> dict[str, str]:
+    def conf(**fields) -> dict[str, str]:
+        settings = {"jvm_archive_dir": str(archives), "extra_conf": extra, **fields}
         return SparkResource(
-            jars_dir=str(jars),
-            s3_jars_dir=str(tmp_path / "none"),
-            jvm_archive_dir=str(archives),
-            extra_conf=options,
+            jars_dir=str(jars), s3_jars_dir=str(tmp_path / "none"), **settings
         ).spark_config()
 
-    assert conf()[jvm_archive.DRIVER_OPTIONS] == "-Dmine=1"  # no archive made: none used
+    assert jvm_archive.DRIVER_OPTIONS not in conf()  # no archive made: none used
     archive = jvm_archive.archive_path(conf(), archives)
     _dir(archives, archive.name)
-    assert conf()[jvm_archive.DRIVER_OPTIONS] == f"-Dmine=1 -XX:SharedArchiveFile={archive}"
-    # Another class path (a jar more, or one of another size) is another archive's.
+    # The host's and the user's extraJavaOptions stay as they are; the archive goes before.
+    assert conf()[jvm_archive.DRIVER_OPTIONS] == f"-XX:SharedArchiveFile='{archive}'"
+    assert conf()["spark.driver.extraJavaOptions"] == "-Dmine=1"
+    assert jvm_archive.DRIVER_OPTIONS not in conf(jvm_archive_dir=None)  # off
+    # Options that choose their own class sharing get no archive.
+    extra["spark.driver.extraJavaOptions"] = "-Xshare:off"
+    assert jvm_archive.DRIVER_OPTIONS not in conf()
+    extra["spark.driver.extraJavaOptions"] = "-Dmine=1"
+    # Another class path (a jar more), another java, a heap past compressed pointers: each is
+    # another archive's.
+    monkeypatch.setenv("JAVA_HOME", str(_dir(tmp_path / "jdk" / "bin", "java").parent))
+    assert jvm_archive.archive_path(conf(), archives) != archive
+    monkeypatch.undo()
+    assert jvm_archive.archive_path(conf(driver_memory="40g"), archives) != archive
     _dir(jars, "y.jar")
     assert jvm_archive.archive_path(conf(), archives) != archive
-    assert conf()[jvm_archive.DRIVER_OPTIONS] == "-Dmine=1"
+    assert jvm_archive.DRIVER_OPTIONS not in conf()
 
 
 def test_the_class_archive_follows_the_jars_behind_a_class_path_wildcard(tmp_path):
     s3 = _dir(tmp_path / "s3", "hadoop-aws-3.5.0.jar")
     conf = {"spark.jars": "a.jar", "spark.driver.extraClassPath": f"{s3}/*"}
     before = jvm_archive.archive_path(conf, tmp_path)
-    (s3 / "hadoop-aws-3.5.0.jar").write_bytes(b"other")
+    os.utime(s3 / "hadoop-aws-3.5.0.jar", ns=(0, 0))  # the same jar copied again: another time
     assert jvm_archive.archive_path(conf, tmp_path) != before

@@ -57,6 +57,8 @@ def test_the_driver_jvm_maps_the_class_archive_install_made(spark, spark_resourc
     archive = jvm_archive.archive_path(
         spark_resource.spark_config(), Path(spark_resource.jvm_archive_dir)
     )
-    assert archive is not None and archive.is_file(), "no class archive: run scripts/install.sh"
+    assert archive is not None and archive.is_file(), (
+        "no class archive: scripts/install.sh's output says why it made none"
+    )
     pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
     assert str(archive) in Path(f"/proc/{pid}/maps").read_text()
