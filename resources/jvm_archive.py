@@ -80,13 +80,13 @@ def _entries(class_path: str) -> list[str]:
 def _compressed_oops(conf: Mapping[str, str]) -> bool:
     """Whether the driver JVM uses compressed object pointers (a heap under 32 GiB, no ZGC):
     the JDK keeps a base archive for each case, and a dynamic archive belongs to one."""
-    options = " ".join(conf.get(name, "") for name in _USER_OPTIONS)
+    if any("UseZGC" in conf.get(name, "") for name in _USER_OPTIONS):
+        return False
     heap = _HEAP.fullmatch(conf.get("spark.driver.memory", "1g").strip())
     if heap is None:
-        return "UseZGC" not in options
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    size = int(heap.group(1)) * scale[heap.group(2).lower() or "m"]  # Spark's unit: MiB
-    return size < 32 << 30 and "UseZGC" not in options
+        return True
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    return int(heap.group(1)) * scale[heap.group(2).lower() or "m"] < 32 << 30  # default: MiB
 
 
 def archive_path(conf: Mapping[str, str], folder: Path) -> Path | None:
