@@ -55,6 +55,8 @@ _CLASS_PATH_ENV = (
     "YARN_CONF_DIR",
 )
 _HEAP = re.compile(r"(\d+)([kmgt]?)b?", re.IGNORECASE)
+# Options that turn compressed object pointers off (ZGC has none); "-XX:-UseZGC" is not one.
+_NO_COMPRESSED_OOPS = re.compile(r"-XX:\+UseZGC|-XX:-UseCompressedOops")
 
 
 def java_binary() -> Path | None:
@@ -80,7 +82,7 @@ def _entries(class_path: str) -> list[str]:
 def _compressed_oops(conf: Mapping[str, str]) -> bool:
     """Whether the driver JVM uses compressed object pointers (a heap under 32 GiB, no ZGC):
     the JDK keeps a base archive for each case, and a dynamic archive belongs to one."""
-    if any("UseZGC" in conf.get(name, "") for name in _USER_OPTIONS):
+    if any(_NO_COMPRESSED_OOPS.search(conf.get(name, "")) for name in _USER_OPTIONS):
         return False
     heap = _HEAP.fullmatch(conf.get("spark.driver.memory", "1g").strip())
     if heap is None:

@@ -103,6 +103,11 @@ def test_the_driver_starts_on_the_class_archive_made_for_its_java_and_class_path
     assert jvm_archive.archive_path(conf(), archives) != archive
     monkeypatch.undo()
     assert jvm_archive.archive_path(conf(driver_memory="40g"), archives) != archive
+    extra["spark.driver.extraJavaOptions"] = "-Dmine=1 -XX:-UseCompressedOops"
+    assert jvm_archive.archive_path(conf(), archives) != archive
+    extra["spark.driver.extraJavaOptions"] = "-Dmine=1 -XX:-UseZGC"  # ZGC off: pointers stay
+    assert jvm_archive.archive_path(conf(), archives) == archive
+    extra["spark.driver.extraJavaOptions"] = "-Dmine=1"
     _dir(jars, "y.jar")
     assert jvm_archive.archive_path(conf(), archives) != archive
     assert jvm_archive.DRIVER_OPTIONS not in conf()
