@@ -5,8 +5,8 @@
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
-with every check, on one Spark session configured as the tests' (`local[2]`, 1g driver, 4
-shuffle partitions), plus any `--conf`. For each hour it prints its wall time, the CPU seconds
+with every check, on one Spark session configured as the tests' (`local[2]`, 2g driver, 4
+shuffle partitions, one partition for a Delta log's replay), plus any `--conf`. For each hour it prints its wall time, the CPU seconds
 of the Spark JVM and of this process, and the classes Spark's code generation compiled. The
 first hours warm the JVM up (its JIT compilers take a large share of its CPU for minutes); the
 summary is the mean over the hours from the fourth on. Every mirror is compared with the
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = _spec()
         records = _send(bootstrap, spec.topic, args.hours, args.changes)
         resource = SparkResource(
-            master="local[2]", shuffle_partitions=4, driver_memory="1g", extra_conf=extra
+            master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1, extra_conf=extra
         )
         spark = resource.session
         me = psutil.Process()

@@ -127,6 +127,27 @@ class SparkResource(dg.ConfigurableResource):
         default=8, description="Default shuffle width; small, since an hour is small."
     )
     ui_enabled: bool = False
+    retained_queries: int = Field(
+        default=100,
+        ge=1,
+        description=(
+            "SQL queries, jobs and stages whose plans and metrics the session keeps for its "
+            "UI and status API (Spark keeps 1,000 of each, even with the UI off). A table-hour "
+            "runs about 30 queries, and the text of a Delta query's plan alone can be 50 KB: "
+            "a process that runs many table-hours (the fleet, a backfill, the tests) would "
+            "keep the last 1,000 in the driver's heap."
+        ),
+    )
+    memory_page_size: str = Field(
+        default="2m",
+        description=(
+            "spark.buffer.pageSize: the memory an aggregation, sort or join takes at a time. "
+            "Spark sizes it from the heap (64 MB at a 2g driver), and every such operator "
+            "takes a whole page for its first row: with Spark's size, the tests' table-hours "
+            "held up to 500 MB of mostly empty pages in the driver's heap. Larger inputs take "
+            "more pages."
+        ),
+    )
     delta_snapshot_partitions: int = Field(
         default=4,
         description=(
@@ -194,6 +215,10 @@ class SparkResource(dg.ConfigurableResource):
             "spark.sql.session.timeZone": "UTC",
             "spark.ui.enabled": str(self.ui_enabled).lower(),
             "spark.ui.showConsoleProgress": "false",
+            "spark.sql.ui.retainedExecutions": str(self.retained_queries),
+            "spark.ui.retainedJobs": str(self.retained_queries),
+            "spark.ui.retainedStages": str(self.retained_queries),
+            "spark.buffer.pageSize": self.memory_page_size,
             # Secrets in Kafka options and S3 settings stay out of Spark's logged configuration.
             "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
             "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),

@@ -90,8 +90,11 @@ def kafka(broker: str) -> KafkaResource:
 
 @pytest.fixture(scope="session")
 def spark_resource() -> SparkResource:
-    # Small shuffles and 1g driver: the suite shares two cores with the broker.
-    return SparkResource(master="local[2]", shuffle_partitions=4, driver_memory="1g")
+    # Small shuffles (the suite shares two cores with the broker) and the default 2g driver:
+    # with 1g, one session running the whole suite's table-hours ran out of heap in CI.
+    # One partition for a Delta log's replay: the suite's tables have a few dozen commits each
+    # (python -m benchmarks.small_hours --conf spark.databricks.delta.snapshotPartitions=1).
+    return SparkResource(master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ classes whose code inlines a value of that hour (a key bound, a timestamp) are c
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,20 @@ def test_the_driver_jvm_maps_the_class_archive_install_made(spark, spark_resourc
     )
     pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
     assert str(archive) in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_small_query_takes_a_page_of_the_resources_size_and_old_queries_are_let_go(spark):
+    # With Spark's own page size (64 MB at a 2g driver, sized from the heap), every
+    # aggregation takes a 64 MB page for its first row: the suite's table-hours held up to
+    # 500 MB of such pages at once. SparkResource's 2m is what the memory manager uses.
+    memory = spark.sparkContext._jsc.sc().env().memoryManager()
+    assert memory.pageSizeBytes() == 2 * 1024 * 1024
+    # The status store keeps the resource's 100 queries, not Spark's 1,000 (each with its
+    # plan's text and graph). It trims in the background, hence the wait.
+    store = spark._jsparkSession.sharedState().statusStore()
+    for n in range(130):
+        spark.range(n + 1).groupBy().count().collect()
+    deadline = time.monotonic() + 30
+    while store.executionsCount() > 100 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert store.executionsCount() <= 100
