@@ -6,11 +6,12 @@
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
 with every check, on one Spark session configured as the tests' (`local[2]`, 2g driver, 4
-shuffle partitions, one partition for a Delta log's replay), plus any `--conf`. For each hour it prints its wall time, the CPU seconds
-of the Spark JVM and of this process, and the classes Spark's code generation compiled. The
-first hours warm the JVM up (its JIT compilers take a large share of its CPU for minutes); the
-summary is the mean over the hours from the fourth on. Every mirror is compared with the
-plain-Python replay of its topic at the end. Not part of the tests; run it on an idle machine.
+shuffle partitions, one partition for a Delta log's replay), plus any `--conf`. For each hour it
+prints its wall time, the CPU seconds of the Spark JVM and of this process, and the classes
+Spark's code generation compiled. The first hours warm the JVM up (its JIT compilers take a
+large share of its CPU for minutes); the summary is the mean over the hours from the fourth on.
+Every mirror is compared with the plain-Python replay of its topic at the end. Not part of the
+tests; run it on an idle machine.
 """
 
 from __future__ import annotations
