@@ -90,6 +90,10 @@ DEFAULT_CONF = {
     "spark.databricks.delta.snapshotPartitions": "4",
     "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.showConsoleProgress": "false",
+    "spark.buffer.pageSize": "2m",
+    "spark.sql.ui.retainedExecutions": "100",
+    "spark.ui.retainedJobs": "100",
+    "spark.ui.retainedStages": "100",
 }
 
 

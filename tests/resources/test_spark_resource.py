@@ -119,3 +119,12 @@ def test_the_class_archive_follows_the_jars_behind_a_class_path_wildcard(tmp_pat
     before = jvm_archive.archive_path(conf, tmp_path)
     os.utime(s3 / "hadoop-aws-3.5.0.jar", ns=(0, 0))  # the same jar copied again: another time
     assert jvm_archive.archive_path(conf, tmp_path) != before
+
+
+def test_the_emr_jobs_defaults_are_sparkresources(tmp_path):
+    # emr/pipes_job.py runs without SparkResource (spark-submit builds its session) and repeats
+    # its defaults; a default changed in one place only would make the two runs differ.
+    from emr.pipes_job import DEFAULT_CONF
+
+    conf = SparkResource(jars_dir=str(_dir(tmp_path / "jars", *JARS))).spark_config()
+    assert {key: conf[key] for key in DEFAULT_CONF} == DEFAULT_CONF
