@@ -90,7 +90,7 @@ DEFAULT_CONF = {
     "spark.databricks.delta.snapshotPartitions": "4",
     "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.showConsoleProgress": "false",
-    "spark.buffer.pageSize": "2m",
+    "spark.buffer.pageSize": "2097136b",
     "spark.sql.ui.retainedExecutions": "100",
     "spark.ui.retainedJobs": "100",
     "spark.ui.retainedStages": "100",
