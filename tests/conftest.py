@@ -92,7 +92,8 @@ def kafka(broker: str) -> KafkaResource:
 def spark_resource() -> SparkResource:
     # Small shuffles (the suite shares two cores with the broker) and the default 2g driver:
     # with 1g, one session running the whole suite's table-hours ran out of heap in CI.
-    # One partition for a Delta log's replay: the suite's tables have at most a few dozen commits
+    # One partition for a Delta log's replay: the suite's tables are small, and four tasks per
+    # replay cost a warm table-hour ~0.9 s
     # (python -m benchmarks.small_hours --conf spark.databricks.delta.snapshotPartitions=1).
     return SparkResource(master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1)
 

@@ -71,12 +71,22 @@ def test_a_small_query_takes_a_page_of_the_resources_size_and_old_queries_are_le
     # of long arrays live. SparkResource's 2 MB (less an array header) is what Spark uses.
     memory = spark.sparkContext._jsc.sc().env().memoryManager()
     assert memory.pageSizeBytes() == 2 * 1024 * 1024 - 16
-    # The status store keeps the resource's 100 queries, not Spark's 1,000 (each with its
-    # plan's text and graph). It trims in the background, hence the wait.
-    store = spark._jsparkSession.sharedState().statusStore()
+    # The status store keeps the resource's 100 queries and jobs, not Spark's 1,000 (each query
+    # with its plan's text and graph). Events reach it through the listener bus, and it trims
+    # in the background: the bus is drained first, so a lagging bus can't pass the test.
+    context = spark.sparkContext
     for n in range(130):
-        spark.range(n + 1).groupBy().count().collect()
+        context.setJobGroup("retention-test", "a query of one job")
+        spark.range(n + 1).collect()
+    context.setLocalProperty("spark.jobGroup.id", None)
+    context.setLocalProperty("spark.job.description", None)
+    context._jsc.sc().listenerBus().waitUntilEmpty()
+    store = spark._jsparkSession.sharedState().statusStore()
+    tracker = context.statusTracker()
     deadline = time.monotonic() + 30
-    while store.executionsCount() > 100 and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+        store.executionsCount() > 100 or len(tracker.getJobIdsForGroup("retention-test")) > 100
+    ):
         time.sleep(0.2)
     assert store.executionsCount() <= 100
+    assert 0 < len(tracker.getJobIdsForGroup("retention-test")) <= 100
