@@ -225,7 +225,6 @@ class _FastPass:
         decode_typed, decode_untyped, any_json = typed.decode, untyped.decode, self.any_json.decode
         names, width, pk_index = self.names, self.width, decoder._pk_index
         row_cells = attrgetter(*[f"c{n}" for n in range(width)]) if width > 1 else None
-        added = {n for n, name in enumerate(names) if name in plan.added}
         sequence = _sequence_reader(plan)
         missing = list(repeat(_MISSING, width))
         max_bytes, toasted = plan.max_record_bytes, bool(plan.toasted)
@@ -298,7 +297,7 @@ class _FastPass:
                     continue
                 if _MISSING in cells:
                     gone = [n for n, cell in enumerate(cells) if cell is _MISSING]
-                    if not added.issuperset(gone):
+                    if not row_plan.may_lack.issuperset(gone):
                         skip(i)
                         continue
                     for n in gone:
@@ -378,6 +377,8 @@ class _FastPass:
         self._count(group, key_columns, tally, key_range)
         if not group.delete:
             self._note_shape(group, raw_columns, seen)
+        if group.absent and plan.defaults:
+            columns = _with_defaults(columns, group.absent, plan)
         return self._part(group, columns, has)
 
     def _check_keys(self, group: _Group, key_columns: list[list], bad: set[int]) -> None:
@@ -565,6 +566,23 @@ class _FastPass:
             *([pa.nulls(size, schema.field(d.MOVED_FROM).type)] if plan.toasted else []),
         ]
         return _Part(group.rows, arrays)
+
+
+def _with_defaults(
+    columns: list[list | pa.Array], absent: dict[int, list[int]], plan: d.DecodePlan
+) -> list[list | pa.Array]:
+    """The group's columns with each absent cell holding its column's default (as
+    `RecordDecoder._change_row` gives it): the change was written before the column existed."""
+    columns = list(columns)
+    for j, gone in absent.items():
+        for n in gone:
+            default = plan.default(n)
+            if default is None:
+                continue
+            if isinstance(columns[n], pa.Array):
+                columns[n] = columns[n].to_pylist()
+            columns[n][j] = default
+    return columns
 
 
 def _one_by_one(

@@ -8,7 +8,8 @@ each problem is reported with the table's name, the setting and how to fix it.
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,74 @@ RESERVED_CHECK_NAMES = (
 def spark_type(declared: str) -> str:
     """The Spark SQL type of a declared column type."""
     return encodings.spark_type(declared)
+
+
+_INTEGERS = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
+
+
+def typed_default(declared: str, raw: Any) -> Any:
+    """A column's configured `default` as the Python value of its declared type (what the
+    decoder gives the column); ValueError naming what is wrong otherwise."""
+    problem = f"default {raw!r} is not a {declared}"
+    if declared == "string":
+        if isinstance(raw, str | int | float | Decimal) and not isinstance(raw, bool):
+            return str(raw)
+        raise ValueError(f"{problem}; quote it")
+    if declared == "boolean":
+        if isinstance(raw, bool):
+            return raw
+        raise ValueError(f"{problem}; write true or false")
+    if declared in _INTEGERS:
+        bits = _INTEGERS[declared]
+        if (
+            isinstance(raw, int)
+            and not isinstance(raw, bool)
+            and -(2 ** (bits - 1)) <= raw < (2 ** (bits - 1))
+        ):
+            return raw
+        raise ValueError(problem)
+    if declared in ("float", "double"):
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            return float(raw)
+        raise ValueError(problem)
+    shape = encodings.decimal_shape(declared)
+    if shape is not None:
+        try:
+            number = Decimal(str(raw)) if not isinstance(raw, bool) else None
+        except InvalidOperation:
+            number = None
+        precision, scale = shape
+        if number is None or not number.is_finite():
+            raise ValueError(f"{problem}; write a number, quoted to keep its digits")
+        if (
+            number != number.quantize(Decimal(1).scaleb(-scale))
+            or len(number.quantize(Decimal(1).scaleb(-scale)).as_tuple().digits) > precision
+        ):
+            raise ValueError(f"{problem}: it does not fit {declared} exactly")
+        return number.quantize(Decimal(1).scaleb(-scale))
+    if declared == "date":
+        if isinstance(raw, date) and not isinstance(raw, datetime):
+            return raw
+        if isinstance(raw, str):
+            try:
+                return date.fromisoformat(raw)
+            except ValueError:
+                pass
+        raise ValueError(f"{problem}; write it as YYYY-MM-DD")
+    if declared == "timestamp":
+        value = raw
+        if isinstance(raw, str):
+            try:
+                value = datetime.fromisoformat(raw)
+            except ValueError:
+                value = None
+        if isinstance(value, datetime):
+            return value if value.tzinfo else value.replace(tzinfo=UTC)
+        raise ValueError(f"{problem}; write it as YYYY-MM-DD HH:MM:SS[.ffffff][+HH:MM] (UTC)")
+    raise ValueError(
+        f"a default for a {declared} column is not supported; defaults are for string, boolean, "
+        "integer, float, double, decimal, date and timestamp columns"
+    )
 
 
 class TableConfigError(ValueError):
@@ -182,8 +251,17 @@ class CheckPolicy(BaseModel):
 
 
 class ErrorRatePolicy(CheckPolicy):
+    """The error_rate check: ERROR and blocking by default, so an hour that sends more than
+    `max_share` of its changes to the error table fails its run. A table that accepts more
+    says `severity: WARN, blocking: false` (the check stays red, the run green)."""
+
+    severity: Severity = "ERROR"
+    blocking: bool = True
     max_share: float = Field(
-        default=0.01, ge=0.0, le=1.0, description="Largest share of an hour's records quarantined."
+        default=0.01,
+        ge=0.0,
+        le=1.0,
+        description="Largest share of an hour's changes (tombstones aside) in the error table.",
     )
 
 
@@ -237,6 +315,15 @@ class TableSpec(BaseModel):
             "Column → how the connector encodes it when its records carry no schema "
             "(value.converter.schemas.enable=false); set per column as "
             "{type: ..., encoding: ...} under columns. See docs/debezium.md."
+        ),
+    )
+    defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Column → the value a change written before the column existed gives it, and the "
+            "value rows the mirror held before it gained the column show (the source's "
+            "ADD COLUMN ... DEFAULT); set per column as {type: ..., default: ...} under "
+            "columns. Without one such rows hold null, as the source's do."
         ),
     )
     decimal_handling: Literal["precise", "string", "double"] = Field(
@@ -356,20 +443,29 @@ class TableSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _column_entries(cls, data: Any) -> Any:
-        """`columns` entries may be a type or {type, encoding}; encodings are kept apart."""
+        """`columns` entries may be a type or {type, encoding, default}; encodings and defaults
+        are kept apart."""
         if not isinstance(data, dict) or not isinstance(data.get("columns"), dict):
             return data
         columns, found = {}, dict(data.get("encodings") or {})
+        defaults = dict(data.get("defaults") or {})
         for column, entry in data["columns"].items():
-            if isinstance(entry, dict) and set(entry) <= {"type", "encoding"}:
+            if isinstance(entry, dict) and set(entry) <= {"type", "encoding", "default"}:
                 if entry.get("encoding") is not None:
                     found[column] = entry["encoding"]
+                if entry.get("default") is not None:
+                    defaults[column] = entry["default"]
                 entry = entry.get("type")
             if isinstance(entry, str) and entry in _TIMESTAMP_UNITS:
                 found.setdefault(column, _TIMESTAMP_UNITS[entry])
                 entry = "timestamp"
             columns[column] = entry
-        return {**data, "columns": columns, **({"encodings": found} if found else {})}
+        return {
+            **data,
+            "columns": columns,
+            **({"encodings": found} if found else {}),
+            **({"defaults": defaults} if defaults else {}),
+        }
 
     @field_validator("columns")
     @classmethod
@@ -411,6 +507,23 @@ class TableSpec(BaseModel):
                     f"{choice}. It matters only when the connector sends no schema "
                     "(value.converter.schemas.enable=false): with one, the schema decides"
                 )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("defaults")
+    @classmethod
+    def _defaults(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        columns = info.data.get("columns") or {}
+        problems = []
+        for column, raw in value.items():
+            if columns and column not in columns:
+                problems.append(f"column '{column}' has a default but is not under columns")
+                continue
+            try:
+                typed_default(columns.get(column, "string"), raw)
+            except ValueError as exc:
+                problems.append(f"column '{column}': {exc}")
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -484,6 +597,13 @@ class TableSpec(BaseModel):
         if missing:
             raise ValueError(f"primary_key columns {missing} are not listed under columns")
         problems, names = [], set(RESERVED_CHECK_NAMES)
+        for column in self.defaults:
+            if column in self.primary_key or column in self.sensitive:
+                raise ValueError(
+                    f"column '{column}' has a default, but it is "
+                    + ("part of the primary_key" if column in self.primary_key else "masked")
+                    + ", which can't take one; remove its default"
+                )
         for column in self.toasted_columns:
             if column not in self.columns or column in self.primary_key:
                 problems.append(
@@ -518,6 +638,14 @@ class TableSpec(BaseModel):
     @property
     def error_table_name(self) -> str:
         return f"{self.name}__errors"
+
+    def column_defaults(self) -> dict[str, Any]:
+        """The declared defaults as values of their columns' types (`typed_default`)."""
+        return {
+            c: typed_default(self.columns[c], raw)
+            for c, raw in self.defaults.items()
+            if c in self.columns
+        }
 
 
 def parse_tables(raw: dict, *, source: str = "tables config") -> list[TableSpec]:

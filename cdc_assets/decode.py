@@ -7,10 +7,13 @@ What a record is, stated once (what the mirror then does with the changes is the
   wrapper. `op` is `c` (insert), `r` (snapshot read), `u` (update), `d` (delete) or `t`
   (truncate). Each column value is read in the encoding the record's own Connect schema names,
   or, without a schema, the table's config (`cdc_assets/encodings.py` states that rule).
-- c/r/u carry the row in `after`, which must hold every declared column (JSON null is a value;
-  an absent column is a schema change). A delete needs only its primary key and sequence: the
-  key comes from `before`, or from the Kafka key when `before` lacks it (Postgres' default
-  replica identity); its other `before` values are kept where they convert, null otherwise.
+- c/r/u carry the row in `after`. A column it lacks did not exist at the source when the change
+  was written (the record's own Connect schema does not name it; without a schema, the JSON
+  converter writes every column the row has): the change gives it the column's declared
+  `default`, null when none (`absent_at_the_time`). A delete needs only its primary key and
+  sequence: the key comes from `before`, or from the Kafka key when `before` lacks it
+  (Postgres' default replica identity); its other `before` values are kept where they convert,
+  null otherwise.
 - A null value is a Kafka tombstone (log compaction's marker after a delete): counted, skipped.
 - Each change carries its sequence (the table's `sequence` fields, then Kafka partition and
   offset), by which the CDC rule orders changes of one key (`cdc_assets/rule.py`: newest per
@@ -19,8 +22,8 @@ What a record is, stated once (what the mirror then does with the changes is the
 - A record is an error, kept with its raw bytes and the reason, when: its value is not JSON,
   it is larger than the table's `max_record_bytes`, `op` is missing or unknown, the primary key
   or a sequence field is missing, the Kafka key names another primary key than the row, a change
-  lacks a declared column, or a value is not in its column's encoding or does not fit the
-  declared type exactly. Reasons never quote record values. Errors never stop the run (I7).
+  lacks a column its own schema names, or a value is not in its column's encoding or does not
+  fit the declared type exactly. Reasons never quote record values. Errors never stop the run (I7).
 - A truncate (`op` `t`) needs only its sequence; `hour_run` applies it or stops the run, as the
   table's `on_truncate` says. It is never silently dropped.
 - Debezium's `__debezium_unavailable_value` (a TOASTed value the change does not carry because
@@ -119,6 +122,9 @@ class DecodePlan:
     # Keep every record's raw bytes, not only the errors': hard expectations may send a change
     # that decoded fine to the error table.
     keep_raw: bool = False
+    # Per column, the value a change written before the column existed gives it (the table's
+    # `defaults`, typed); empty: null for every column.
+    defaults: tuple[Any, ...] = ()
 
     @classmethod
     def of(
@@ -146,7 +152,12 @@ class DecodePlan:
             max_record_bytes=spec.max_record_bytes,
             hour_key=hour_key,
             keep_raw=any(e.hard for e in spec.expectations),
+            defaults=_column_defaults(spec, columns),
         )
+
+    def default(self, n: int) -> Any:
+        """Column `n`'s value in a change written before the column existed."""
+        return self.defaults[n] if self.defaults else None
 
     @property
     def declared(self) -> dict[str, str]:
@@ -196,6 +207,11 @@ class DecodePlan:
             T.StructField(TALLY, T.StringType()),
         ]
         return T.StructType(fields)
+
+
+def _column_defaults(spec: TableSpec, columns: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
+    typed = spec.column_defaults()
+    return tuple(typed.get(name) for name, _ in columns) if typed else ()
 
 
 # --- what the records told of the source's columns ----------------------------------------------
@@ -326,6 +342,27 @@ _JSON_TYPES = {"integer": "bigint", "number": "double", "boolean": "boolean", "s
 # --- one record --------------------------------------------------------------------------------
 
 
+def absent_at_the_time(
+    plan: DecodePlan, row_schema: Mapping[str, Any] | None, in_schema: Iterable[bool]
+) -> frozenset[int]:
+    """The plan columns a change may lack because the source table did not have them yet.
+
+    With a Connect schema, the record's own schema says which columns the row had when it was
+    written: a column it does not name was added later (`ALTER TABLE ... ADD COLUMN`). Without
+    one, the JSON converter still writes every column the row has (a null as null), so a column
+    missing from `after` is one the table did not have. Such a change gives the column its
+    default (`DecodePlan.defaults`, null when none): a declared column never turns the history
+    before it into errors. A column the mirror gained undeclared (`added`) may always be absent.
+    """
+    if row_schema is None:
+        return frozenset(range(len(plan.columns)))
+    return frozenset(
+        n
+        for n, ((name, _), known) in enumerate(zip(plan.columns, in_schema, strict=True))
+        if not known or name in plan.added
+    )
+
+
 class _Bad(Exception):
     """The record can't be applied; the message is its reason."""
 
@@ -339,6 +376,9 @@ class _RowPlan:
     in_schema: tuple[bool, ...]  # the schema declares the column (always True without schema)
     shape: SourceShape
     key_converters: tuple[enc.Converter | enc.Mismatch, ...]
+    # Columns a row of this plan may lack: the source table did not have them when the change
+    # was written (`absent_at_the_time`).
+    may_lack: frozenset[int] = frozenset()
 
 
 class RecordDecoder:
@@ -398,6 +438,7 @@ class RecordDecoder:
             tuple(in_schema),
             shape,
             key_converters=tuple(converters[i] for i in self._pk_index),
+            may_lack=absent_at_the_time(plan, row_schema, in_schema),
         )
 
     def _parse(self, value: bytes) -> tuple[_RowPlan, Any]:
@@ -474,9 +515,17 @@ class RecordDecoder:
         toasted = set(self._toasted_index)
         for n, (name, _) in enumerate(plan.columns):
             if name not in row:
-                if name in plan.added:
-                    continue  # a column the mirror gained: an older change may lack it
-                raise _Bad(f"column '{name}' is missing from 'after'")
+                if n not in row_plan.may_lack:
+                    raise _Bad(
+                        f"column '{name}' is missing from 'after' although the record's own "
+                        "schema declares it: the record was changed after the connector wrote "
+                        "it (a transform that drops fields); keep every field the schema names"
+                    )
+                # Written before the source table had the column: its default, and a value.
+                values[n] = plan.default(n)
+                if n in toasted:
+                    has[plan.toasted.index(name)] = True
+                continue
             raw = row[name]
             if raw is None:
                 if n in toasted:

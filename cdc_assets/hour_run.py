@@ -21,6 +21,7 @@ from pyspark.sql import types as T
 from cdc_assets import toast
 from cdc_assets.checking import AuditVerdict, KeyCounts, MirrorChecks
 from cdc_assets.commits import (
+    commit_metadata,
     current_version,
     delta_log,
     hour_history,
@@ -158,6 +159,8 @@ def known_starts(
 
 
 MIRROR_NEWEST = "mirror_newest_ms"
+# Marks the commit that fills moved rows' TOASTed values, after the run's MERGE (`toast`).
+MOVED_ROWS = "moved_rows"
 
 
 def recorded_mirror_newest(
@@ -407,10 +410,13 @@ def _apply_hour(
                 key_range=key_range(spec, tally),
                 ledger=ledger,
             )
-        version = outcome.version if outcome.version is not None else last_version
-        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys.
-        if toast.resolve_moves(spark, spec, path):
-            version = current_version(spark, path, ledger)
+        version = outcome.recorded_version
+        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys:
+        # a commit of its own that carries the run's record, marked. A crash before it is
+        # repaired by the next run of any hour, which resolves every move still open.
+        with commit_metadata(spark, {**commit, MOVED_ROWS: True}):
+            if toast.resolve_moves(spark, spec, path):
+                version = current_version(spark, path, ledger)
         expectations = checks.validate(
             spark,
             spec,

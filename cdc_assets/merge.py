@@ -23,8 +23,10 @@ from pyspark.sql import types as T
 
 from cdc_assets import rule, toast
 from cdc_assets.commits import (
+    LEDGER_OPERATION,
     commit_metadata,
     commit_metadata_text,
+    current_version,
     delta_log,
     ledger_commit,
     retry_on_conflict,
@@ -65,7 +67,7 @@ NO_PRIOR_ROWS = PriorRows(0, 0, 0, 0, 0, 0, 0)
 
 @dataclass(frozen=True)
 class MergeOutcome:
-    version: int | None  # None: no commit was needed (every change was stale)
+    version: int | None  # the MERGE's commit; None: every change was stale, no data commit
     merged_keys: int  # the MERGE's source rows: one newest change per key
     applied: int
     rows_inserted: int
@@ -76,6 +78,8 @@ class MergeOutcome:
     # Rows the MERGE inserted (Delta's operation metrics), and what the mirror held before.
     rows_added: int = 0
     prior: PriorRows = NO_PRIOR_ROWS
+    # The commit that recorded the run: the MERGE's, or the metadata-only one of a stale hour.
+    recorded_version: int | None = None
 
     @property
     def duplicate_rows(self) -> int:
@@ -146,7 +150,53 @@ def ensure_mirror_table(
     ]
     if missing:
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
+    fill_defaults(spark, path, spec, schema)
     return table
+
+
+# The comment a declared column carries from when it is added to a mirror that holds rows until
+# its default is in every one of them: a run that finds it fills them (again).
+FILLING_DEFAULT = "cdc-lake: filling the column's default into the rows from before it"
+
+
+def fill_defaults(spark: SparkSession, path: str, spec: TableSpec, schema: T.StructType) -> None:
+    """A declared column with a `default` that the mirror gains while it holds rows: the rows
+    from before it show the default, as the source's rows from before its `ADD COLUMN ...
+    DEFAULT` do (a change written before the column existed gets it from the decoder).
+
+    Three commits before the run's MERGE, none of them the run's: the column is added marked
+    `FILLING_DEFAULT`, every row takes the default, the mark is replaced by a note of the
+    default. A run that finds the mark (a crash came between) fills again; no MERGE has
+    written the column meanwhile, since every run passes here first.
+    """
+    defaults = {c: v for c, v in spec.column_defaults().items() if c in schema.fieldNames()}
+    if not defaults:
+        return
+    quoted = path.replace("`", "``")
+    stored = {f.name.lower() for f in DeltaTable.forPath(spark, path).toDF().schema}
+    new = [c for c in defaults if c.lower() not in stored]
+    if new:
+        added = ", ".join(
+            f"`{c}` {schema[c].dataType.simpleString()} COMMENT '{FILLING_DEFAULT}'" for c in new
+        )
+        spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({added})")
+    table = DeltaTable.forPath(spark, path)
+    pending = [
+        f.name
+        for f in table.toDF().schema
+        if f.name in defaults and f.metadata.get("comment") == FILLING_DEFAULT
+    ]
+    if not pending:
+        return
+    table.update(set={c: F.lit(defaults[c]).cast(schema[c].dataType) for c in pending})
+    for c in pending:
+        log.info(
+            "table '%s': column '%s' added with its default in the rows before it", spec.name, c
+        )
+        spark.sql(
+            f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{c}` COMMENT "
+            "'cdc-lake: rows from before the column hold its declared default'"
+        )
 
 
 CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
@@ -276,7 +326,14 @@ def _merge_once(
             # Every change was stale (or there was none): Delta committed nothing.
             # A metadata-only commit, so that this run's slice is on record too.
             ledger_commit(spark, path)
-            return MergeOutcome(None, prior.source_rows, 0, 0, 0, 0, prior=prior)
+            recorded = (
+                ledger.run_commit(run_metadata, LEDGER_OPERATION).version
+                if ledger is not None
+                else current_version(spark, path)
+            )
+            return MergeOutcome(
+                None, prior.source_rows, 0, 0, 0, 0, prior=prior, recorded_version=recorded
+            )
     # This run's commit, not one another writer made since (both carry the same metadata only
     # when they run the same hour, and then the later one commits nothing but the ledger).
     if ledger is not None:  # read from the log's files, no Spark job
@@ -381,4 +438,5 @@ def _outcome(version: int, metrics: Mapping[str, str], prior: PriorRows) -> Merg
         truncated=truncated,
         rows_added=metric("numTargetRowsInserted"),
         prior=prior,
+        recorded_version=version,
     )

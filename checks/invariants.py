@@ -18,7 +18,8 @@
 - changes_readable (I7): not every change of the hour went to the error table. An hour whose
   every change is an error applied nothing: the table's config most likely doesn't match what
   the connector sends (the top reason says how). Blocking by default, so the run fails loudly.
-- error_rate (I7): the share of the hour's records that went to the error table.
+- error_rate (I7): the share of the hour's changes that went to the error table, at most the
+  table's `max_share` (1 %). ERROR and blocking by default: an hour over it fails its run.
 - freshness: the newest source change in the mirror trails the hour's end (or now, for the
   current hour) by at most the table's allowed lag.
 - schema_drift: the columns the source sends in `after` against the declared ones: a column
@@ -240,13 +241,22 @@ def continuity_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
 
 
 def error_rate_result(result: HourResult, policy: ErrorRatePolicy) -> dg.AssetCheckResult:
+    """The share of the hour's changes sent to the error table, against `max_share`; the
+    description names the most frequent reasons, each of which says what to fix."""
     consumed, errors = result.counts.consumed, result.counts.errors
-    share = errors / consumed if consumed else 0.0
+    changes = consumed - result.counts.tombstones
+    share = errors / changes if changes else 0.0
     problems = []
     if share > policy.max_share:
+        top = sorted(result.error_reasons.items(), key=lambda item: -item[1])[:3]
+        reasons = "; ".join(f"{n} x {reason}" for reason, n in top)
         problems.append(
-            f"{errors} of {consumed} records ({share:.2%}) went to the error table, above the "
-            f"allowed {policy.max_share:.2%}"
+            f"{errors} of {changes} changes ({share:.2%}) of hour {result.hour_key} went to the "
+            f"error table `{result.table}__errors`, above the table's {policy.max_share:.2%} "
+            f"(checks: error_rate: max_share). Most frequent: {reasons}. Fix what the reasons "
+            "name and run the hour again (python -m cdc_assets.error_replay replays the error "
+            "rows once fixed); to accept such hours, set checks: error_rate: {severity: WARN, "
+            "blocking: false} for the table"
         )
     return _verdict(
         ERROR_RATE,
@@ -255,6 +265,7 @@ def error_rate_result(result: HourResult, policy: ErrorRatePolicy) -> dg.AssetCh
         {
             "errors": errors,
             "consumed": consumed,
+            "changes": changes,
             "error_share": dg.MetadataValue.float(round(share, 6)),
             "max_share": dg.MetadataValue.float(float(policy.max_share)),
             "error_reasons": dg.MetadataValue.json(result.error_reasons),

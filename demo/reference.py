@@ -8,7 +8,9 @@ Spark pipeline, so it can judge both. Given a table's records as read back from 
 - parses the Debezium envelope, with or without the Kafka Connect ``schema``/``payload``
   wrapper, and rejects as malformed: bytes that are not a JSON object, a missing or unknown
   ``op`` (``c``/``r``/``u``/``d`` are known), a missing sequence field, a missing row image
-  (``after`` for c/r/u, ``before`` for d), a missing or null primary-key column, and a column
+  (``after`` for c/r/u, ``before`` for d), a missing or null primary-key column, a column
+  missing from ``after`` although the record's schema names it (one it lacks without its
+  schema naming it, or without a schema, did not exist yet: its declared default), and a column
   value of the wrong type for the spec (ints in range, decimals that fit ``decimal(p,s)``,
   timestamps as epoch micros unless the wrapper's schema names another unit, dates as epoch
   days, strict JSON types otherwise);
@@ -200,12 +202,16 @@ def _parse(
     missing = [col for col in spec.primary_key if raw.get(col) is None]
     if missing:
         raise _Malformed(f"missing primary key: {missing} absent or null in 'after'")
-    absent = [col for col in spec.columns if col not in raw]
-    if absent:
-        raise _Malformed(f"missing column: {absent} absent from 'after'")
+    # A column the row lacks did not exist at the source yet: the record's schema (when it has
+    # one) does not name it; without a schema every column the row had is written.
+    named = [col for col in spec.columns if col not in raw and col in logical_types]
+    if named:
+        raise _Malformed(f"missing column: {named} absent from 'after' but in its schema")
     row = {}
     for col, spark_type in [*spec.columns.items(), *added.items()]:
-        if raw.get(col) == UNAVAILABLE_VALUE and col in spec.columns:
+        if col not in raw:
+            row[col] = _default(spec, col, spark_type)
+        elif raw.get(col) == UNAVAILABLE_VALUE and col in spec.columns:
             if col not in spec.toasted_columns:
                 raise _Malformed(f"unavailable placeholder in column {col}")
             row[col] = _UNAVAILABLE  # unchanged: the value comes from an earlier change
@@ -213,6 +219,21 @@ def _parse(
             row[col] = _convert(col, spark_type, raw.get(col), logical_types.get(col), spec)
     _check_key(spec, row, kafka_key)
     return op, sequence, row
+
+
+def _default(spec: TableSpec, col: str, spark_type: str) -> Any:
+    """The column's declared default as the replay's rows hold values (None when none)."""
+    raw = spec.defaults.get(col)
+    if raw is None:
+        return None
+    match = _DECIMAL.match(spark_type)
+    if match:
+        return Decimal(str(raw)).quantize(Decimal(1).scaleb(-int(match.group(2))))
+    if spark_type == "date" and isinstance(raw, str):
+        return date.fromisoformat(raw)
+    if spark_type in ("double", "float"):
+        return float(raw)
+    return raw
 
 
 def _check_key(spec: TableSpec, row: Row, kafka_key: bytes | None) -> None:

@@ -70,6 +70,7 @@ from emr.assets import (  # noqa: E402
 from resources.kafka import KafkaResource  # noqa: E402
 from resources.lake import LakeResource, single_writer_from_env  # noqa: E402
 from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource  # noqa: E402
+from resources.spark import PARQUET_TIMESTAMPS  # noqa: E402
 
 KAFKA_BOOTSTRAP_ENV = "CDC_KAFKA_BOOTSTRAP_SERVERS"
 KAFKA_PASSWORD_ENV = "CDC_KAFKA_SASL_PASSWORD"
@@ -77,12 +78,13 @@ LAKE_ROOT_ENV = "CDC_LAKE_ROOT"
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 # What the project's results depend on, set as SparkResource sets them (resources/spark.py),
-# whatever the cluster's defaults: Delta's catalog, UTC hours and timestamps, and secrets kept
-# out of Spark's logged configuration.
+# whatever the cluster's defaults: Delta's catalog, UTC hours and timestamps, timestamps in
+# Parquet that every reader reads right, and secrets kept out of Spark's logged configuration.
 REQUIRED_CONF = {
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     "spark.sql.session.timeZone": "UTC",
     "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
+    **PARQUET_TIMESTAMPS,
 }
 # SparkResource's defaults for what spark-submit may set otherwise (an hour is small).
 DEFAULT_CONF = {

@@ -35,6 +35,17 @@ LOG_STORE_CONF = "spark.delta.logStore.s3a.impl"
 CONDITIONAL_PUT_LOG_STORE = "io.cdclake.delta.ConditionalPutLogStore"
 
 
+# How the mirrors' Parquet files store timestamps: as microseconds (TIMESTAMP_MICROS), the
+# proleptic Gregorian calendar as written, not Spark's default INT96 (nanoseconds in 64 bits,
+# which delta-rs, polars and pyarrow read wrong outside 1677-09-21 .. 2262-04-11). Every value
+# Debezium can send (years 0001-9999) reads back as the source has it, in every reader.
+PARQUET_TIMESTAMPS = {
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+    "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
+}
+
+
 @contextmanager
 def session_settings(spark: SparkSession, settings: Mapping[str, str]) -> Iterator[None]:
     """Sets `settings` on the session for the block, then puts back what was there (unset when
@@ -227,6 +238,7 @@ class SparkResource(dg.ConfigurableResource):
             "spark.sql.codegen.cache.maxEntries": str(self.codegen_cache_entries),
             # A run's tables share the executors fairly (cdc_assets/fleet.py).
             "spark.scheduler.mode": "FAIR",
+            **PARQUET_TIMESTAMPS,
         }
         class_path = s3_class_path(Path(self.s3_jars_dir))
         if class_path:

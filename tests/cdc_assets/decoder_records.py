@@ -100,10 +100,12 @@ ROW_SCHEMA = {
 }
 
 
-def _wrapped_schema(text_amount: bool) -> dict:
+def wrapped_schema(text_amount: bool, lacks: str | None = None) -> dict:
     row = json.loads(json.dumps(ROW_SCHEMA))
     if text_amount:  # the same table under decimal.handling.mode=string
         row["fields"][2] = {"type": "string", "optional": True, "field": "amount"}
+    if lacks is not None:  # the table before `ALTER TABLE ... ADD COLUMN <lacks>`
+        row["fields"] = [f for f in row["fields"] if f["field"] != lacks]
     return {
         "type": "struct",
         "fields": [
@@ -156,8 +158,14 @@ def debezium_record(draw, decimal_handling: str) -> tuple:
     }
     if op == "d" and draw(st.booleans()):
         envelope["before"] = {"id": None}  # Postgres' default replica identity: key only
+    # A record written before a column existed: its schema and its row lack the column.
+    lacks = draw(st.sampled_from([None, None, None, "n", "note", "blob"])) if wrapped else None
+    if lacks is not None:
+        for image in (envelope["before"], envelope["after"]):
+            if isinstance(image, dict):
+                image.pop(lacks, None)
     document = (
-        {"schema": _wrapped_schema(text_amount), "payload": envelope} if wrapped else envelope
+        {"schema": wrapped_schema(text_amount, lacks), "payload": envelope} if wrapped else envelope
     )
     value = json.dumps(document, separators=(",", ":")).encode()
     trick = draw(st.integers(0, 39))
