@@ -8,8 +8,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, QueryBuilder
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from pyarrow.dataset import ParquetReadOptions
 
 from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
@@ -20,6 +24,7 @@ from checks.invariants import accounting_result
 from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay_with_errors
 from resources.lake import LakeResource
+from resources.spark import session_settings
 from tests.support import accounts_spec, diff_rows, mirror_rows, read_topic
 
 pytestmark = pytest.mark.integration
@@ -339,6 +344,66 @@ def test_timestamps_in_each_unit_and_bad_source_times(
     assert first["at_ms"] == first["at_us"].replace(microsecond=373_000)
     assert first["at_ns"] == first["at_us"]
     assert first["at_iso"] == datetime(2026, 11, 3, 9, 15, 0, 500_000, tzinfo=UTC)
+
+
+EDGE_TIMES = [
+    datetime(1, 1, 1, tzinfo=UTC),
+    datetime(1000, 1, 1, tzinfo=UTC),
+    datetime(1583, 1, 1, tzinfo=UTC),
+    datetime(1970, 1, 1, tzinfo=UTC),
+    datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+]
+
+
+def test_timestamps_of_years_1_to_9999_read_back_right_in_deltalake_and_polars(
+    run, create_topic, send, spark, lake, tmp_path
+):
+    """The mirror's Parquet files store microseconds, not Spark's INT96 (nanoseconds in 64
+    bits), so readers other than Spark read every value Debezium can send as the source has it;
+    a file written as INT96 (an older version of this project) reads right with pyarrow's
+    coerce_int96_timestamp_unit, as docs/reading.md says."""
+    topic = create_topic("timestamp-edges", partitions=1)
+    spec = TableSpec(
+        name="edges",
+        topic=topic,
+        primary_key=("id",),
+        columns={"id": "bigint", "at": "timestamp", "day": "date"},
+        start_hour="2026-11-01-00:00",
+    )
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    for n, moment in enumerate(EDGE_TIMES, start=1):
+        micros = (moment - epoch) // timedelta(microseconds=1)
+        row = {"id": n, "at": micros, "day": (moment.date() - epoch.date()).days}
+        send(topic, b'{"id":%d}' % n, _envelope("c", n, after=row), _ms(HOUR) + n)
+    result = run(spec, lake)
+    assert result.counts.applied == len(EDGE_TIMES) and result.counts.errors == 0
+    path = lake.table_path(spec.name)
+    expected = [(n, t, t.date()) for n, t in enumerate(EDGE_TIMES, start=1)]
+
+    def as_utc(rows):
+        return sorted((i, t.replace(tzinfo=UTC) if t.tzinfo is None else t, d) for i, t, d in rows)
+
+    live = (
+        QueryBuilder()
+        .register("mirror", DeltaTable(path))
+        .execute("SELECT id, at, day FROM mirror WHERE NOT _cdc_deleted")
+    )
+    assert as_utc(tuple(r.values()) for r in pa.table(live).to_pylist()) == expected
+    frame = pl.read_delta(path).filter(~pl.col("_cdc_deleted")).select("id", "at", "day")
+    assert as_utc(frame.rows()) == expected
+    # Through Arrow: PySpark's collect() can't make a Python datetime of year 1 in UTC.
+    spark_rows = spark.read.format("delta").load(path).select("id", "at", "day").toArrow()
+    assert as_utc(tuple(r.values()) for r in spark_rows.to_pylist()) == expected
+
+    # A file written as INT96, as Spark's default did before: pyarrow reads it with the option.
+    old = str(tmp_path / "int96")
+    with session_settings(spark, {"spark.sql.parquet.outputTimestampType": "INT96"}):
+        spark.read.format("delta").load(path).select("id", "at").write.format("delta").save(old)
+    dataset = DeltaTable(old).to_pyarrow_dataset(
+        parquet_read_options=ParquetReadOptions(coerce_int96_timestamp_unit="us")
+    )
+    rows = sorted(tuple(r.values()) for r in dataset.to_table().to_pylist())
+    assert [(i, t.replace(tzinfo=UTC)) for i, t in rows] == [(n, t) for n, t, _ in expected]
 
 
 def test_hard_deletes_remove_rows(run, create_topic, send, broker, kafka, spark, lake):
