@@ -253,10 +253,19 @@ class CheckPolicy(BaseModel):
 class ErrorRatePolicy(CheckPolicy):
     """The error_rate check: ERROR and blocking by default, so an hour that sends more than
     `max_share` of its changes to the error table fails its run. A table that accepts more
-    says `severity: WARN, blocking: false` (the check stays red, the run green)."""
+    says `severity: WARN` (the check stays red, the run green)."""
 
     severity: Severity = "ERROR"
     blocking: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_alone_does_not_block(cls, data: Any) -> Any:
+        # `severity: WARN` alone (the setting before this check blocked) means not blocking.
+        if isinstance(data, dict) and data.get("severity") == "WARN" and "blocking" not in data:
+            return {**data, "blocking": False}
+        return data
+
     max_share: float = Field(
         default=0.01,
         ge=0.0,

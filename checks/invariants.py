@@ -255,8 +255,8 @@ def error_rate_result(result: HourResult, policy: ErrorRatePolicy) -> dg.AssetCh
             f"error table `{result.table}__errors`, above the table's {policy.max_share:.2%} "
             f"(checks: error_rate: max_share). Most frequent: {reasons}. Fix what the reasons "
             "name and run the hour again (python -m cdc_assets.error_replay replays the error "
-            "rows once fixed); to accept such hours, set checks: error_rate: {severity: WARN, "
-            "blocking: false} for the table"
+            "rows once fixed); to accept such hours, set checks: error_rate: {severity: WARN} "
+            "for the table"
         )
     return _verdict(
         ERROR_RATE,

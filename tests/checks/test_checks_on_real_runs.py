@@ -298,7 +298,7 @@ def test_schema_drift_error_rate_and_freshness_fail_on_a_bad_hour_and_pass_on_a_
         "it as Connect string" in drift.description
     )
     assert (
-        not bad["error_rate"].passed and "2 of 8 records (25.00%)" in bad["error_rate"].description
+        not bad["error_rate"].passed and "2 of 8 changes (25.00%)" in bad["error_rate"].description
     )
     assert not bad["freshness"].passed and bad["freshness"].metadata["lag_minutes"].value == 360.0
     assert bad["accounting"].passed and result.counts.errors == 2
@@ -412,3 +412,50 @@ def test_primary_key_unique_fails_on_a_duplicated_key_in_the_hours_key_range(
     fourth = hour(spec, fourth_key)[1]["primary_key_unique"]
     assert not fourth.passed
     assert fourth.metadata["unexpected_count"].value == 2
+
+
+def test_an_hour_over_its_error_share_fails_the_run_unless_the_table_accepts_it(
+    create_topic, send, kafka, spark_resource, lake
+):
+    """5 % undecodable changes (1 of 20): the error_rate check blocks by default, so the run
+    fails naming the column and the fix, and Dagster shows it red; a table that says
+    `error_rate: {severity: WARN}` materializes the same hour green, its check red."""
+    topic = create_topic("error-share", partitions=1)
+    for n in range(19):
+        send(topic, _key(n), _change("c", n, 10 + n), _ms(HOUR) + n)
+    send(topic, _key(19), _change("c", 19, 29, balance=True), _ms(HOUR) + 19)  # undecodable
+    send(topic, _key(99), _change("c", 99, 99), _ms(HOUR + timedelta(hours=1)))
+    resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
+    strict, lenient = (
+        _spec(topic, name=name, **extra)
+        for name, extra in (
+            ("strict", {}),
+            ("lenient", {"checks": {"error_rate": {"severity": "WARN"}}}),
+        )
+    )
+    with dg.instance_for_test() as instance:
+        failed = dg.materialize(
+            [build_table_asset(checks=MIRROR_CHECKS, spec=strict)],
+            partition_key=KEYS[0],
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+        )
+        assert not failed.success
+        (check,) = [c for c in failed.get_asset_check_evaluations() if c.check_name == "error_rate"]
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        assert "1 of 20 changes (5.00%)" in check.description
+        assert "column 'balance'" in check.description  # the reason names the column and fix
+        assert "error_rate: {severity: WARN}" in check.description
+
+        accepted = dg.materialize(
+            [build_table_asset(checks=MIRROR_CHECKS, spec=lenient)],
+            partition_key=KEYS[0],
+            resources=resources,
+            instance=instance,
+        )
+        assert accepted.success
+        (check,) = [
+            c for c in accepted.get_asset_check_evaluations() if c.check_name == "error_rate"
+        ]
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN

@@ -176,11 +176,23 @@ def test_continuity_without_a_previous_run_passes_and_says_so():
 
 
 def test_error_rate_fails_above_the_configured_share():
-    policy = ErrorRatePolicy(max_share=0.2, severity="WARN")
-    assert error_rate_result(_result(BALANCED), policy).passed  # 2 of 10
+    policy = ErrorRatePolicy(max_share=0.25, severity="WARN")  # WARN alone: not blocking
+    assert not policy.blocking
+    assert error_rate_result(_result(BALANCED), policy).passed  # 2 of 9 changes
     check = error_rate_result(_result(replace(BALANCED, errors=3, applied=3)), policy)
     assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
-    assert "3 of 10 records (30.00%)" in check.description
+    assert "3 of 9 changes (33.33%)" in check.description  # the tombstone is no change
+
+
+def test_error_rate_blocks_by_default_and_names_the_reasons_and_the_fix():
+    """Hundreds of rejected changes fail the run (a blocking ERROR check), not exit 0."""
+    policy = ErrorRatePolicy()
+    assert (policy.severity, policy.blocking, policy.max_share) == ("ERROR", True, 0.01)
+    reasons = {"column 'memo' holds a string where int32 was expected; declare it string": 2}
+    check = error_rate_result(_result(BALANCED, error_reasons=reasons), policy)
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+    assert "2 x column 'memo' holds a string" in check.description
+    assert "error_rate: {severity: WARN}" in check.description
 
 
 # --- freshness -------------------------------------------------------------------------------

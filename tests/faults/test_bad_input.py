@@ -17,6 +17,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
+from cdc_assets import hour_run
 from cdc_assets.commits import hour_history
 from cdc_assets.config import CheckPolicy
 from cdc_assets.factory import build_table_asset
@@ -470,3 +471,41 @@ def test_a_moved_rows_unchanged_toasted_value_comes_from_its_old_key(
     total = Comparison(**{n: sum(getattr(c, n) for c in outcomes) for n in figures})
     record("toasted_value_moved_key", total, faults=4)
     assert total.clean, [c.details for c in outcomes]
+
+
+def test_a_crash_between_the_merge_and_the_moved_rows_commit_is_repaired_by_the_rerun(
+    broker, scenario, spark, lake, monkeypatch
+):
+    """A run that moves rows writes two commits: its MERGE, then the moved rows' TOASTed values
+    from their old keys, marked `moved_rows` and carrying the run's record. The process dying
+    between them (here: the second step raising, which leaves the table exactly as a kill there
+    would) leaves the moved row's value unknown; running the hour again fills it, applies no
+    change twice, and its commits say which hour and slice they belong to."""
+    spec, run, check = scenario("toast-move-crash", toasted_columns=("name",))
+    changes = [
+        table.change("c", 1, 101, second=1, name="text one"),
+        *table.move(1, 2, 202, hour=1, second=2),
+    ]
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, 2, after_hour=1)
+    assert _accounted(run(0))
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("the process died after the MERGE's commit")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(hour_run.toast, "resolve_moves", killed)
+        with pytest.raises(RuntimeError, match="died after the MERGE"):
+            run(1)
+    path = lake.table_path(spec.name)
+    moved = spark.read.format("delta").load(path).where("id = 2").collect()
+    assert [(r["name"], r["_cdc_unknown__name"]) for r in moved] == [(None, True)]
+
+    again = run(1)
+    assert _accounted(again) and again.counts.applied == 0  # every change already applied
+    outcome = check()
+    assert outcome.clean, outcome.details
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()
+    moved_commit = json.loads(history[0]["userMetadata"])
+    assert moved_commit["moved_rows"] is True and moved_commit["hour"] == table.hour_key(1)
+    assert again.delta_version == history[0]["version"]
