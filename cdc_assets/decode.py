@@ -44,6 +44,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -128,8 +129,15 @@ class DecodePlan:
 
     @classmethod
     def of(
-        cls, spec: TableSpec, *, hour_key: str, added_columns: Mapping[str, str] | None = None
+        cls,
+        spec: TableSpec,
+        *,
+        hour_key: str,
+        added_columns: Mapping[str, str] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> DecodePlan:
+        """`defaults`: column → its default, typed (`config.typed_default`); the table's
+        declared ones when None."""
         added = dict(added_columns or {})
         columns = (*spec.columns.items(), *added.items())
         configured = tuple(
@@ -152,7 +160,9 @@ class DecodePlan:
             max_record_bytes=spec.max_record_bytes,
             hour_key=hour_key,
             keep_raw=any(e.hard for e in spec.expectations),
-            defaults=_column_defaults(spec, columns),
+            defaults=_column_defaults(
+                spec.column_defaults() if defaults is None else defaults, columns
+            ),
         )
 
     def default(self, n: int) -> Any:
@@ -209,8 +219,9 @@ class DecodePlan:
         return T.StructType(fields)
 
 
-def _column_defaults(spec: TableSpec, columns: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
-    typed = spec.column_defaults()
+def _column_defaults(
+    typed: Mapping[str, Any], columns: tuple[tuple[str, str], ...]
+) -> tuple[Any, ...]:
     return tuple(typed.get(name) for name, _ in columns) if typed else ()
 
 
@@ -240,6 +251,9 @@ class SourceShape:
     schemas: set[bool] = field(default_factory=set)
     json_mismatches: dict[str, set[str]] = field(default_factory=dict)
     json_newest: dict[str, dict[str, list]] = field(default_factory=dict)
+    # Column → the default its Connect schema declares (Debezium's copy of the source column's
+    # DEFAULT), as JSON of the column's value (`schema_default`).
+    defaults: dict[str, set[str]] = field(default_factory=dict)
 
     def merge(self, other: SourceShape) -> SourceShape:
         for mine, theirs in (
@@ -247,6 +261,7 @@ class SourceShape:
             (self.mismatches, other.mismatches),
             (self.types, other.types),
             (self.json_mismatches, other.json_mismatches),
+            (self.defaults, other.defaults),
         ):
             for name, values in theirs.items():
                 mine.setdefault(name, set()).update(values)
@@ -268,9 +283,19 @@ class SourceShape:
                 out.setdefault(name, set()).update(newest)
         return out
 
+    def source_defaults(self) -> dict[str, Any]:
+        """The columns whose schema declared one default over the hour, with it (a column
+        whose default changed within the hour is left out: which one its rows hold is unsure)."""
+        return {
+            name: json.loads(next(iter(texts)))
+            for name, texts in self.defaults.items()
+            if len(texts) == 1
+        }
+
     def to_json(self) -> str:
         return json.dumps(
             {
+                "defaults": {k: sorted(v) for k, v in self.defaults.items()},
                 "fields": {k: sorted(v) for k, v in self.fields.items()},
                 "mismatches": {k: sorted(v) for k, v in self.mismatches.items()},
                 "types": {k: sorted(v) for k, v in self.types.items()},
@@ -291,6 +316,7 @@ class SourceShape:
             schemas=set(raw["schemas"]),
             json_mismatches={k: set(v) for k, v in raw.get("json_mismatches", {}).items()},
             json_newest=raw.get("json_newest", {}),
+            defaults={k: set(v) for k, v in raw.get("defaults", {}).items()},
         )
 
     @classmethod
@@ -340,6 +366,35 @@ _JSON_TYPES = {"integer": "bigint", "number": "double", "boolean": "boolean", "s
 
 
 # --- one record --------------------------------------------------------------------------------
+
+
+def schema_default(
+    name: str,
+    field_schema: Mapping[str, Any],
+    encoding: enc.Encoding,
+    converter: enc.Converter | enc.Mismatch | None,
+) -> str | None:
+    """The default a Connect field schema declares (Debezium copies the source column's
+    `DEFAULT` there, in the field's own encoding), as JSON of the value the column holds: read
+    by the column's converter, or for an undeclared column by its suggested type's. None when
+    there is none, or it is not a plain value (binary, arrays) or does not convert."""
+    raw = field_schema.get("default")
+    if raw is None:
+        return None
+    if converter is None:
+        suggested = enc.suggested_type(encoding)
+        if suggested is None:
+            return None
+        converter = enc.converter(name, suggested, encoding, from_schema=True)
+    try:
+        value = _convert(converter, raw)
+    except _Bad:
+        return None
+    if isinstance(value, Decimal | datetime | date):
+        value = value.isoformat() if not isinstance(value, Decimal) else str(value)
+    elif not isinstance(value, str | int | float | bool):
+        return None
+    return json.dumps(value)
 
 
 def absent_at_the_time(
@@ -432,6 +487,15 @@ class RecordDecoder:
                 shape.fields[name] = {encoding.descriptor()}
                 if name not in self._index:
                     shape.types[name] = {enc.suggested_type(encoding) or ""}
+                n = self._index.get(name)
+                default = schema_default(
+                    name,
+                    field_schema,
+                    encoding,
+                    converters[n] if n is not None else None,
+                )
+                if default is not None:
+                    shape.defaults[name] = {default}
         return _RowPlan(
             tuple(converters),
             tuple(encodings),
@@ -941,6 +1005,7 @@ def decode(
     *,
     hour_key: str,
     added_columns: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """Decodes the Kafka records of one slice in Spark's Python workers.
 
@@ -952,8 +1017,9 @@ def decode(
 
     `added_columns` (name → type) are source columns the mirror gained without a declaration
     (`added_column_types`): a change may lack one (null), but a value must convert to its type.
+    `defaults`: what a change written before a column existed gives it (`DecodePlan.of`).
     """
-    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns)
+    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns, defaults=defaults)
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         decoder = RecordDecoder(plan)
@@ -1003,9 +1069,10 @@ def decode_locally(
     *,
     hour_key: str,
     added_columns: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """`decode` of a small slice read in the driver (`read.read_slice_locally`): the same
     decoder, run here; the frame is a local relation, so reading it costs no Kafka job."""
-    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns)
+    plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns, defaults=defaults)
     decoded = RecordDecoder(plan).decode_batch(records)
     return spark.createDataFrame(pa.Table.from_batches([decoded]), schema=plan.spark_schema())

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pyarrow as pa
 from pyspark import StorageLevel
@@ -28,7 +29,7 @@ from cdc_assets.commits import (
     mirror_newest_ms,
     record_run,
 )
-from cdc_assets.config import TableSpec
+from cdc_assets.config import TableSpec, typed_default
 from cdc_assets.decode import (
     DELETED,
     ERROR,
@@ -256,7 +257,16 @@ def run_hour(
         prior_newest = recorded_mirror_newest(spark, path, history, last_version)
         if hour_slice.size == 0 and last_version is not None:
             return _empty_hour(
-                spark, spec, path, ledger, hour_key, hour_slice, previous_end, prior_newest, checks
+                spark,
+                spec,
+                path,
+                ledger,
+                hour_key,
+                hour_slice,
+                previous_end,
+                prior_newest,
+                history[0].get(COLUMN_DEFAULTS, {}) if history else {},
+                checks,
             )
         local = hour_slice.size <= local_read_max_records
         with sized_shuffles(spark, hour_slice.size, adaptive=not local):
@@ -345,8 +355,9 @@ def _apply_hour(
     check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
     ingested_at = datetime.now(UTC)
     records = _read(spark, kafka, hour_slice, local)
-    batch, added, withheld = _decode_with_new_columns(
-        spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key
+    known = history[0].get(COLUMN_DEFAULTS, {}) if history else {}
+    batch, added, withheld, connector, defaults = _decode_with_new_columns(
+        spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key, known
     )
     # A slice read here is a local relation: every frame derived from it is cheap to compute
     # again and deterministic, so nothing is cached and the MERGE takes it as it is. A slice
@@ -386,6 +397,7 @@ def _apply_hour(
             tombstones=tally.tombstones,
             errors=held.errors,
             mirror_newest=_newer(prior_newest, held.newest_ms),
+            column_defaults=connector,
         )
         if hour_truncate is not None:
             commit["truncated_before"] = hour_truncate
@@ -409,6 +421,7 @@ def _apply_hour(
                 ),
                 key_range=key_range(spec, tally),
                 ledger=ledger,
+                defaults=defaults,
             )
         version = outcome.recorded_version
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys:
@@ -481,9 +494,11 @@ def _run_record(
     tombstones: int,
     errors: int,
     mirror_newest: int | None,
+    column_defaults: dict[str, Any],
 ) -> dict:
     """What every run's commit records (the ledger, `cdc_assets.commits`): its hour, slice and
-    counts, and the mirror's newest source time (ms) as a running maximum."""
+    counts, the mirror's newest source time (ms) as a running maximum, and the column defaults
+    the connector's schemas declared so far (`column_defaults`)."""
     return {
         "hour": hour_key,
         "slice": hour_slice.as_dict(),
@@ -493,6 +508,7 @@ def _run_record(
         "errors": errors,
         "pipeline": "cdc-lake",
         MIRROR_NEWEST: mirror_newest,
+        **({COLUMN_DEFAULTS: column_defaults} if column_defaults else {}),
     }
 
 
@@ -530,22 +546,50 @@ def _decode_with_new_columns(
     hour_key: str,
     added: dict[str, str],
     masking_key: HmacKey | None,
-) -> tuple[DecodedSlice, dict[str, str], tuple[str, ...]]:
+    known: dict[str, Any],
+) -> tuple[DecodedSlice, dict[str, str], tuple[str, ...], dict[str, Any], dict[str, Any]]:
     """The decoded hour, the undeclared columns the mirror takes (`added`: the ones it gained
-    earlier, then any the hour's rows bring under `new_columns: add`), and the new ones it
-    withholds (a table with sensitive columns: they wait for a declaration, masking.py).
+    earlier, then any the hour's rows bring under `new_columns: add`), the new ones it
+    withholds (a table with sensitive columns: they wait for a declaration, masking.py), the
+    connector's column defaults known so far (`known`, recorded by earlier runs, then those
+    the hour's schemas declare), and the defaults the hour was decoded with (`column_defaults`).
 
-    A column the hour brings is decoded again for it: only the hour it first appears pays that
-    second decode. `new_columns: ignore` stops new columns, not the ones already added.
+    A column or a default the hour brings is decoded again for it: only the hour it first
+    appears pays that second decode. `new_columns: ignore` stops new columns, not the ones
+    already added.
     """
-    batch = _decode(spark, records, spec, hour_key, added, masking_key)
+    defaults = column_defaults(spec, added, known)
+    batch = _decode(spark, records, spec, hour_key, added, masking_key, defaults)
     new = added_column_types(batch.shape, [*spec.columns, *added])
     withheld = tuple(sorted(new)) if spec.sensitive else ()
-    if spec.new_columns == "add" and new and not withheld:
+    connector = {**batch.shape.source_defaults(), **known}  # the first one recorded stays
+    wider = {**added, **new} if spec.new_columns == "add" and new and not withheld else added
+    again = column_defaults(spec, wider, connector)
+    if wider != added or again != defaults:
         batch.frame.unpersist()
-        added = {**added, **new}
-        batch = _decode(spark, records, spec, hour_key, added, masking_key)
-    return batch, added, withheld
+        batch = _decode(spark, records, spec, hour_key, wider, masking_key, again)
+    return batch, wider, withheld, connector, again
+
+
+COLUMN_DEFAULTS = "column_defaults"
+
+
+def column_defaults(
+    spec: TableSpec, added: dict[str, str], connector: dict[str, Any]
+) -> dict[str, Any]:
+    """What a change written before a column existed gives it, typed: the tables file's
+    `default`, else the default the connector's schema declared for the column (Debezium
+    copies the source's `DEFAULT` there). Masked columns take none (config.py refuses one)."""
+    columns = {**spec.columns, **added}
+    typed = {}
+    for name, value in connector.items():
+        if name not in columns or name in spec.sensitive:
+            continue
+        try:
+            typed[name] = typed_default(columns[name], value)
+        except ValueError:
+            continue  # a type defaults don't cover (time, binary, arrays): null
+    return {**typed, **spec.column_defaults()}
 
 
 @dataclass(frozen=True)
@@ -609,16 +653,19 @@ def _decode(
     hour_key: str,
     added: dict[str, str],
     masking_key: HmacKey | None,
+    defaults: dict[str, Any],
 ) -> DecodedSlice:
     """Decodes the slice into a cached frame; one Spark job fills the cache and brings back
     each batch's tally and shape (so the totals, drift and key range cost no job of their own).
     Records read in the driver are decoded here, into a local relation.
     Sensitive columns are masked before anything reads them (cdc_assets/masking.py)."""
     if isinstance(records, pa.RecordBatch):
-        frame = decode_locally(spark, records, spec, hour_key=hour_key, added_columns=added)
+        frame = decode_locally(
+            spark, records, spec, hour_key=hour_key, added_columns=added, defaults=defaults
+        )
         frame = mask_changes(frame, spec, masking_key)
     else:
-        frame = decode(records, spec, hour_key=hour_key, added_columns=added)
+        frame = decode(records, spec, hour_key=hour_key, added_columns=added, defaults=defaults)
         frame = mask_changes(frame, spec, masking_key).persist(_CACHED)
     rows = frame.where(F.col(TALLY).isNotNull()).select(SHAPE, TALLY).collect()
     return DecodedSlice(
@@ -756,12 +803,19 @@ def _empty_hour(
     hour_slice: HourSlice,
     previous_end: dict[int, int] | None,
     prior_newest: int | None,
+    known_defaults: dict[str, Any],
     checks: MirrorChecks,
 ) -> HourResult:
     """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
     metadata-only commit, as every run's is, so the next hour starts where it ended."""
     commit = _run_record(
-        hour_key, hour_slice, consumed=0, tombstones=0, errors=0, mirror_newest=prior_newest
+        hour_key,
+        hour_slice,
+        consumed=0,
+        tombstones=0,
+        errors=0,
+        mirror_newest=prior_newest,
+        column_defaults=known_defaults,
     )
     version = record_run(spark, spec, path, commit, ledger)
     return HourResult(

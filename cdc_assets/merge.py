@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -105,7 +106,11 @@ def added_columns(schema: T.StructType | None, spec: TableSpec) -> dict[str, str
 
 
 def ensure_mirror_table(
-    spark: SparkSession, path: str, changes: DataFrame, spec: TableSpec
+    spark: SparkSession,
+    path: str,
+    changes: DataFrame,
+    spec: TableSpec,
+    defaults: Mapping[str, Any] | None = None,
 ) -> DeltaTable:
     """Creates the mirror the first time (deletion vectors on; the change data feed as the
     table's `change_data_feed` says); new columns come via MERGE.
@@ -150,26 +155,35 @@ def ensure_mirror_table(
     ]
     if missing:
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
-    fill_defaults(spark, path, spec, schema)
+    fill_defaults(
+        spark, path, spec, schema, spec.column_defaults() if defaults is None else defaults
+    )
     return table
 
 
 # The comment a declared column carries from when it is added to a mirror that holds rows until
 # its default is in every one of them: a run that finds it fills them (again).
-FILLING_DEFAULT = "cdc-lake: filling the column's default into the rows from before it"
+FILLING_DEFAULT = "cdc-lake: filling the default into the rows from before the column"
 
 
-def fill_defaults(spark: SparkSession, path: str, spec: TableSpec, schema: T.StructType) -> None:
-    """A declared column with a `default` that the mirror gains while it holds rows: the rows
-    from before it show the default, as the source's rows from before its `ADD COLUMN ...
-    DEFAULT` do (a change written before the column existed gets it from the decoder).
+def fill_defaults(
+    spark: SparkSession,
+    path: str,
+    spec: TableSpec,
+    schema: T.StructType,
+    defaults: Mapping[str, Any],
+) -> None:
+    """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
+    the mirror gains while it holds rows: the rows from before it show the default, as the
+    source's rows from before its `ADD COLUMN ... DEFAULT` do (a change written before the
+    column existed gets it from the decoder).
 
     Three commits before the run's MERGE, none of them the run's: the column is added marked
     `FILLING_DEFAULT`, every row takes the default, the mark is replaced by a note of the
     default. A run that finds the mark (a crash came between) fills again; no MERGE has
     written the column meanwhile, since every run passes here first.
     """
-    defaults = {c: v for c, v in spec.column_defaults().items() if c in schema.fieldNames()}
+    defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
     if not defaults:
         return
     quoted = path.replace("`", "``")
@@ -177,7 +191,8 @@ def fill_defaults(spark: SparkSession, path: str, spec: TableSpec, schema: T.Str
     new = [c for c in defaults if c.lower() not in stored]
     if new:
         added = ", ".join(
-            f"`{c}` {schema[c].dataType.simpleString()} COMMENT '{FILLING_DEFAULT}'" for c in new
+            f"`{_name(c)}` {schema[c].dataType.simpleString()} COMMENT '{FILLING_DEFAULT}'"
+            for c in new
         )
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({added})")
     table = DeltaTable.forPath(spark, path)
@@ -194,9 +209,14 @@ def fill_defaults(spark: SparkSession, path: str, spec: TableSpec, schema: T.Str
             "table '%s': column '%s' added with its default in the rows before it", spec.name, c
         )
         spark.sql(
-            f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{c}` COMMENT "
-            "'cdc-lake: rows from before the column hold its declared default'"
+            f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{_name(c)}` COMMENT "
+            "'cdc-lake: rows from before the column hold its default'"
         )
+
+
+def _name(column: str) -> str:
+    """A column name for inside SQL backticks."""
+    return column.replace("`", "``")
 
 
 CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
@@ -252,6 +272,7 @@ def merge_changes(
     truncate_before: Column | None = None,
     key_range: Mapping[str, tuple] | None = None,
     ledger: DeltaLog | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> MergeOutcome:
     """MERGEs the newest change per key into the mirror with the sequence guard.
 
@@ -278,6 +299,7 @@ def merge_changes(
             truncate_before=truncate_before,
             key_range=key_range,
             ledger=ledger or delta_log(path),
+            defaults=defaults,
         ),
         table=spec.name,
         path=path,
@@ -295,10 +317,11 @@ def _merge_once(
     truncate_before: Column | None,
     key_range: Mapping[str, tuple] | None = None,
     ledger: DeltaLog | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*rule.mirror_columns(spec))
-    table = ensure_mirror_table(spark, path, source, spec)
+    table = ensure_mirror_table(spark, path, source, spec, defaults)
     bounds = {} if truncate_before is not None else dict(key_range or {})
     on = F.expr(" AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key))
     # A truncate's MERGE reads the whole table anyway.

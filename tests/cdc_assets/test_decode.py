@@ -224,3 +224,24 @@ def test_records_that_are_not_changes():
         "sequence field 'source.lsn' is missing or not a bigint",
     ]
     assert rows[1]["value"] == b"{not json" and rows[0]["value"] is None
+
+
+def test_a_schema_default_is_read_in_the_columns_encoding():
+    """Debezium copies a column's DEFAULT into its Connect field schema, in the field's own
+    encoding: a precise decimal's is base64, like its values. The shape reports it as the
+    column's value (what the run records and gives changes written before the column)."""
+    with_defaults = json.loads(json.dumps(ROW_SCHEMA))
+    with_defaults["fields"][1]["default"] = _b64(150)  # balance numeric(14,2) DEFAULT 1.50
+    with_defaults["fields"][2]["default"] = "none yet"
+    with_defaults["fields"].append(
+        {"type": "int32", "optional": True, "default": 3, "field": "grade"}  # undeclared
+    )
+    row = {"id": 1, "balance": _b64(1), "note": None, "grade": 4}
+    rows = _decode([(b'{"id":1}', _value("c", row, 1, schema=_schema(with_defaults)))])
+    shape = SourceShape.combine(r[SHAPE] for r in rows)
+    assert shape.source_defaults() == {"balance": "1.50", "note": "none yet", "grade": 3}
+    # A default that changed within the hour is not taken: which one the rows hold is unsure.
+    other = json.loads(json.dumps(with_defaults))
+    other["fields"][2]["default"] = "other"
+    rows += _decode([(b'{"id":2}', _value("c", {**row, "id": 2}, 2, schema=_schema(other)))])
+    assert "note" not in SourceShape.combine(r[SHAPE] for r in rows).source_defaults()

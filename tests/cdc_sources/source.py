@@ -20,6 +20,9 @@ from datetime import time as time_of_day
 from decimal import Decimal
 from typing import Any
 
+import polars as pl
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import TableSpec
@@ -177,6 +180,30 @@ def mirror_live_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tu
         key: {c: normalize(spec.columns[c], row[c]) for c in spec.columns}
         for key, row in mirror_rows(spark, path, spec).items()
     }
+
+
+def live_rows_outside_spark(
+    path: str, spec: TableSpec, columns: list[str]
+) -> dict[str, dict[tuple, dict]]:
+    """The mirror's live rows (`columns` only), normalized as `source_rows`, read by the two
+    readers docs/reading.md names: deltalake's query engine and polars. Neither is given an
+    option: what a user who follows the page gets."""
+
+    picked = [*spec.primary_key, *columns]
+    listed = ", ".join(f'"{c}"' for c in picked)
+    query = f"SELECT {listed} FROM mirror WHERE NOT _cdc_deleted"
+    tables = {
+        "deltalake": pa.table(QueryBuilder().register("mirror", DeltaTable(path)).execute(query)),
+        "polars": pl.read_delta(path).filter(~pl.col("_cdc_deleted")).select(picked).to_arrow(),
+    }
+    found = {}
+    for reader, table in tables.items():
+        rows = {}
+        for row in table.to_pylist():
+            typed = {c: normalize(spec.columns[c], row[c]) for c in picked}
+            rows[tuple(typed[k] for k in spec.primary_key)] = {c: typed[c] for c in columns}
+        found[reader] = rows
+    return found
 
 
 def normalize(declared: str, value: Any) -> Any:
