@@ -155,10 +155,11 @@ def ensure_mirror_table(
     ]
     if missing:
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
-    fill_defaults(
+    filled = fill_defaults(
         spark, path, spec, schema, spec.column_defaults() if defaults is None else defaults
     )
-    return table
+    # A DeltaTable made before its schema changed refuses to MERGE: make it again.
+    return DeltaTable.forPath(spark, path) if missing or filled else table
 
 
 # The comment a declared column carries from when it is added to a mirror that holds rows until
@@ -172,7 +173,7 @@ def fill_defaults(
     spec: TableSpec,
     schema: T.StructType,
     defaults: Mapping[str, Any],
-) -> None:
+) -> bool:
     """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
     the mirror gains while it holds rows: the rows from before it show the default, as the
     source's rows from before its `ADD COLUMN ... DEFAULT` do (a change written before the
@@ -181,11 +182,12 @@ def fill_defaults(
     Three commits before the run's MERGE, none of them the run's: the column is added marked
     `FILLING_DEFAULT`, every row takes the default, the mark is replaced by a note of the
     default. A run that finds the mark (a crash came between) fills again; no MERGE has
-    written the column meanwhile, since every run passes here first.
+    written the column meanwhile, since every run passes here first. Returns whether it
+    changed the table's schema.
     """
     defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
     if not defaults:
-        return
+        return False
     quoted = path.replace("`", "``")
     stored = {f.name.lower() for f in DeltaTable.forPath(spark, path).toDF().schema}
     new = [c for c in defaults if c.lower() not in stored]
@@ -202,7 +204,7 @@ def fill_defaults(
         if f.name in defaults and f.metadata.get("comment") == FILLING_DEFAULT
     ]
     if not pending:
-        return
+        return bool(new)
     table.update(set={c: F.lit(defaults[c]).cast(schema[c].dataType) for c in pending})
     for c in pending:
         log.info(
@@ -212,6 +214,7 @@ def fill_defaults(
             f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{_name(c)}` COMMENT "
             "'cdc-lake: rows from before the column hold its default'"
         )
+    return True
 
 
 def _name(column: str) -> str:

@@ -331,7 +331,11 @@ def schema_drift_result(
             "sensitive or not)"
         )
     if vanished:
-        problems.append(f"declared columns the source no longer sends: {', '.join(vanished)}")
+        problems.append(
+            f"declared columns the hour's rows lack: {', '.join(vanished)} (added to the source "
+            "after these changes were written, which then take the column's default, or no "
+            "longer sent)"
+        )
     problems += [reason for reasons in changed.values() for reason in reasons]
     return _verdict(
         SCHEMA_DRIFT,

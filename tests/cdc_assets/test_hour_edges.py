@@ -546,3 +546,21 @@ def test_an_hours_shuffle_width_and_adaptive_execution_follow_its_size_and_are_r
         assert session.conf.get(ADAPTIVE) == adaptive
     assert session.conf.get("spark.sql.shuffle.partitions") == "4"
     assert session.conf.get(ADAPTIVE) == before == "true"
+
+
+def test_an_hour_whose_every_change_is_stale_reports_the_version_it_committed(
+    run, create_topic, send, spark, lake
+):
+    """A rerun finds every change already applied: no data commit, but the run's record is a
+    metadata-only commit, and that commit's version is what the materialization reports."""
+    topic = create_topic("stale-only", partitions=1)
+    spec = accounts_spec(topic)
+    send(topic, b'{"id":1}', _change("c", 1, 10), _ms(HOUR) + 1)
+    send(topic, b'{"id":2}', _change("c", 2, 11), _ms(HOUR) + 2)
+    first = run(spec, lake)
+    again = run(spec, lake)
+    assert again.counts.applied == 0 and again.counts.stale == 2 and again.merge_version is None
+    path = lake.table_path(spec.name)
+    (newest,) = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").collect()
+    assert again.delta_version == newest["version"] > first.delta_version
+    assert json.loads(newest["userMetadata"])["hour"] == KEY

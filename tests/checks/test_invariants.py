@@ -244,7 +244,7 @@ def test_schema_drift_names_appeared_vanished_and_changed_columns():
     check = schema_drift_result(_result(source_fields=shape), SPEC, POLICY)
     assert not check.passed
     assert "appeared: nickname" in check.description
-    assert "no longer sends: at" in check.description
+    assert "declared columns the hour's rows lack: at (" in check.description
     assert mismatch in check.description
     assert check.metadata["appeared"].value == "nickname"
     assert check.metadata["type_changed"].value == {"id": [mismatch]}
