@@ -194,7 +194,8 @@ class _Group:
     source_ts: list = field(default_factory=list)
     # Records whose `after` holds columns the plan doesn't: their row.
     extra: dict[int, dict] = field(default_factory=dict)
-    # Records whose `after` lacks columns the mirror added (no value, not null): which.
+    # Records whose `after` lacks columns that did not exist when they were written (they take
+    # the column's default, `decode.absent_at_the_time`): which.
     absent: dict[int, list[int]] = field(default_factory=dict)
 
 

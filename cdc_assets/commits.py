@@ -3,7 +3,10 @@
 Every run commits to its mirror with the hour's slice and counts as the commit's `userMetadata`
 (`commit_metadata`); a run that changed no row records itself in a metadata-only commit
 (`record_run`), so every hour's slice is in the log and the next hour starts where it ended.
-Atomicity (I4): the mirror changes in exactly one Delta commit per run. A commit that loses a
+Atomicity (I4): the hour's changes reach the mirror in one Delta commit (its MERGE); a run that
+moved rows fills their TOASTed values in a second one marked `moved_rows` (`hour_run`), and a
+column with a default is added and filled before the MERGE (`merge.fill_defaults`), each step
+repaired by a rerun. A commit that loses a
 race with another writer is retried (`retry_on_conflict`); every write is guarded (by sequence or
 by Kafka coordinates), so doing it again is safe. The log is read back without Spark where the
 lake allows (`cdc_assets.ledger`).

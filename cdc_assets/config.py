@@ -7,9 +7,10 @@ each problem is reported with the table's name, the setting and how to fix it.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, date, datetime
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,19 +93,7 @@ def typed_default(declared: str, raw: Any) -> Any:
         raise ValueError(problem)
     shape = encodings.decimal_shape(declared)
     if shape is not None:
-        try:
-            number = Decimal(str(raw)) if not isinstance(raw, bool) else None
-        except InvalidOperation:
-            number = None
-        precision, scale = shape
-        if number is None or not number.is_finite():
-            raise ValueError(f"{problem}; write a number, quoted to keep its digits")
-        if (
-            number != number.quantize(Decimal(1).scaleb(-scale))
-            or len(number.quantize(Decimal(1).scaleb(-scale)).as_tuple().digits) > precision
-        ):
-            raise ValueError(f"{problem}: it does not fit {declared} exactly")
-        return number.quantize(Decimal(1).scaleb(-scale))
+        return _decimal_default(problem, declared, shape, raw)
     if declared == "date":
         if isinstance(raw, date) and not isinstance(raw, datetime):
             return raw
@@ -122,12 +111,43 @@ def typed_default(declared: str, raw: Any) -> Any:
             except ValueError:
                 value = None
         if isinstance(value, datetime):
-            return value if value.tzinfo else value.replace(tzinfo=UTC)
+            try:
+                return value.replace(tzinfo=UTC) if not value.tzinfo else value.astimezone(UTC)
+            except OverflowError:
+                raise ValueError(f"{problem}: it is outside years 1 to 9999 in UTC") from None
         raise ValueError(f"{problem}; write it as YYYY-MM-DD HH:MM:SS[.ffffff][+HH:MM] (UTC)")
     raise ValueError(
         f"a default for a {declared} column is not supported; defaults are for string, boolean, "
         "integer, float, double, decimal, date and timestamp columns"
     )
+
+
+def default_json(value: Any) -> str:
+    """A typed default (`typed_default`) as JSON that `typed_default` reads back the same."""
+    if isinstance(value, Decimal):
+        return json.dumps(str(value))
+    if isinstance(value, date | datetime):
+        return json.dumps(value.isoformat())
+    return json.dumps(value)
+
+
+def _decimal_default(problem: str, declared: str, shape: tuple[int, int], raw: Any) -> Decimal:
+    precision, scale = shape
+    with localcontext() as context:
+        context.prec = 2 * precision + 2  # room for any value that fits, and then some
+        try:
+            number = Decimal(str(raw)) if not isinstance(raw, bool) else None
+        except (ArithmeticError, ValueError):
+            number = None
+        if number is None or not number.is_finite():
+            raise ValueError(f"{problem}; write a number, quoted to keep its digits")
+        try:
+            exact = number.quantize(Decimal(1).scaleb(-scale))
+        except ArithmeticError:
+            exact = None  # more digits than the context holds: far too many
+    if exact is None or number != exact or len(exact.as_tuple().digits) > precision:
+        raise ValueError(f"{problem}: it does not fit {declared} exactly")
+    return exact
 
 
 class TableConfigError(ValueError):

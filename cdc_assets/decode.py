@@ -44,7 +44,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -372,29 +372,46 @@ def schema_default(
     name: str,
     field_schema: Mapping[str, Any],
     encoding: enc.Encoding,
-    converter: enc.Converter | enc.Mismatch | None,
+    column: tuple[str, enc.Converter | enc.Mismatch] | None,
 ) -> str | None:
     """The default a Connect field schema declares (Debezium copies the source column's
-    `DEFAULT` there, in the field's own encoding), as JSON of the value the column holds: read
-    by the column's converter, or for an undeclared column by its suggested type's. None when
-    there is none, or it is not a plain value (binary, arrays) or does not convert."""
+    `DEFAULT` there, in the field's own encoding), as JSON of the column's value (a date or
+    timestamp as ISO text): read by the column's converter (`column`: its declared type and
+    converter), or for an undeclared column by its suggested type's. None when there is none,
+    it is not a plain value (binary, arrays, time) or does not convert, or it is a timestamp at
+    the epoch: Debezium's MySQL connector writes `DEFAULT CURRENT_TIMESTAMP` so, a value the
+    rows from before the column never hold."""
     raw = field_schema.get("default")
     if raw is None:
         return None
-    if converter is None:
-        suggested = enc.suggested_type(encoding)
-        if suggested is None:
+    if column is None:
+        declared = enc.suggested_type(encoding)
+        if declared is None:
             return None
-        converter = enc.converter(name, suggested, encoding, from_schema=True)
+        converter = enc.converter(name, declared, encoding, from_schema=True)
+    else:
+        declared, converter = column
     try:
         value = _convert(converter, raw)
     except _Bad:
         return None
-    if isinstance(value, Decimal | datetime | date):
-        value = value.isoformat() if not isinstance(value, Decimal) else str(value)
-    elif not isinstance(value, str | int | float | bool):
+    try:
+        if declared == "date" and type(value) is int:
+            value = (_EPOCH.date() + timedelta(days=value)).isoformat()
+        elif declared == "timestamp" and type(value) is int:
+            if value == 0:
+                return None
+            value = (_EPOCH + timedelta(microseconds=value)).isoformat()
+    except OverflowError:
+        return None
+    if isinstance(value, Decimal):
+        value = str(value)
+    elif declared in ("time", "binary") or not isinstance(value, str | int | float | bool):
         return None
     return json.dumps(value)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def absent_at_the_time(
@@ -492,7 +509,7 @@ class RecordDecoder:
                     name,
                     field_schema,
                     encoding,
-                    converters[n] if n is not None else None,
+                    (plan.columns[n][1], converters[n]) if n is not None else None,
                 )
                 if default is not None:
                     shape.defaults[name] = {default}
@@ -1016,7 +1033,8 @@ def decode(
     batch (see `SourceShape`).
 
     `added_columns` (name → type) are source columns the mirror gained without a declaration
-    (`added_column_types`): a change may lack one (null), but a value must convert to its type.
+    (`added_column_types`): a change may lack one (its default), but a value must convert to
+    its type.
     `defaults`: what a change written before a column existed gives it (`DecodePlan.of`).
     """
     plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns, defaults=defaults)

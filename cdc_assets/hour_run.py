@@ -354,6 +354,7 @@ def _apply_hour(
     ingested_at = datetime.now(UTC)
     records = _read(spark, kafka, hour_slice, local)
     known = history[0].get(COLUMN_DEFAULTS, {}) if history else {}
+    seen_before = set(history[0].get(SOURCE_COLUMNS, ())) if history else set()
     batch, added, withheld, connector, defaults = _decode_with_new_columns(
         spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key, known
     )
@@ -397,6 +398,7 @@ def _apply_hour(
             mirror_newest=_newer(prior_newest, held.newest_ms),
             column_defaults=connector,
         )
+        commit[SOURCE_COLUMNS] = sorted(seen_before | set(batch.shape.fields))
         if hour_truncate is not None:
             commit["truncated_before"] = hour_truncate
         # The newest change per key: the MERGE's source and what the expectations judge.
@@ -419,7 +421,7 @@ def _apply_hour(
                 ),
                 key_range=key_range(spec, tally),
                 ledger=ledger,
-                defaults=defaults,
+                defaults=fillable_defaults(spec, defaults, stored_schema, seen_before),
             )
         version = outcome.recorded_version
         # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys:
@@ -560,7 +562,14 @@ def _decode_with_new_columns(
     batch = _decode(spark, records, spec, hour_key, added, masking_key, defaults)
     new = added_column_types(batch.shape, [*spec.columns, *added])
     withheld = tuple(sorted(new)) if spec.sensitive else ()
-    connector = {**batch.shape.source_defaults(), **known}  # the first one recorded stays
+    # The first one recorded stays. Nothing of a masked column, nor of an undeclared one on a
+    # table that masks (it may be sensitive), is recorded.
+    found = {
+        name: value
+        for name, value in batch.shape.source_defaults().items()
+        if not spec.sensitive or (name in spec.columns and name not in spec.sensitive)
+    }
+    connector = {**found, **known}
     wider = {**added, **new} if spec.new_columns == "add" and new and not withheld else added
     again = column_defaults(spec, wider, connector)
     if wider != added or again != defaults:
@@ -570,21 +579,55 @@ def _decode_with_new_columns(
 
 
 COLUMN_DEFAULTS = "column_defaults"
+# The source columns the mirror's runs have seen so far (names), recorded in each run's commit.
+SOURCE_COLUMNS = "source_columns"
+
+
+def fillable_defaults(
+    spec: TableSpec,
+    defaults: dict[str, Any],
+    stored: T.StructType | None,
+    seen_before: set[str],
+) -> dict[str, Any]:
+    """The defaults the mirror's rows from before a column may take when the mirror gains it
+    (`merge.fill_defaults`): not of a column earlier runs saw the source send while the mirror
+    left it out (`new_columns: ignore`, withheld on a table with sensitive columns): those rows'
+    values were never stored, and the default would be a wrong value where null says unknown."""
+    if stored is None:
+        return defaults
+    have = {f.name.lower() for f in stored}
+    fillable = {}
+    for name, value in defaults.items():
+        if name.lower() not in have and name in seen_before:
+            log.warning(
+                "table '%s': column '%s' joins the mirror, but earlier hours' changes carried "
+                "values of it that the mirror left out; its rows from before hold null, not "
+                "the default. Re-snapshot the table to fill them",
+                spec.name,
+                name,
+            )
+            continue
+        fillable[name] = value
+    return fillable
 
 
 def column_defaults(
     spec: TableSpec, added: dict[str, str], connector: dict[str, Any]
 ) -> dict[str, Any]:
-    """What a change written before a column existed gives it, typed: the tables file's
-    `default`, else the default the connector's schema declared for the column (Debezium
-    copies the source's `DEFAULT` there). Masked columns take none (config.py refuses one)."""
-    columns = {**spec.columns, **added}
+    """What a change written before a column existed gives it, typed: a declared column's
+    `default` from the tables file; an undeclared one the mirror added (`added`), the default
+    the connector's schema declared for it (Debezium copies the source's `DEFAULT` there).
+
+    A declared column never takes the connector's: whether the hours from before it run before
+    or after the hour that tells the default would decide what they hold (schema_drift names a
+    connector default the tables file lacks). Masked columns take none (config.py refuses one).
+    """
     typed = {}
     for name, value in connector.items():
-        if name not in columns or name in spec.sensitive:
+        if name not in added or name in spec.sensitive:
             continue
         try:
-            typed[name] = typed_default(columns[name], value)
+            typed[name] = typed_default(added[name], value)
         except ValueError:
             continue  # a type defaults don't cover (time, binary, arrays): null
     return {**typed, **spec.column_defaults()}

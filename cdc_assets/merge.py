@@ -12,6 +12,7 @@ data feed only where `change_data_feed: true`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from cdc_assets.commits import (
     ledger_commit,
     retry_on_conflict,
 )
-from cdc_assets.config import TableSpec
+from cdc_assets.config import TableSpec, default_json, typed_default
 from cdc_assets.decode import DELETED, INGESTED_AT, SEQUENCE, value_sequence
 from cdc_assets.ledger import DeltaLog
 
@@ -162,9 +163,9 @@ def ensure_mirror_table(
     return DeltaTable.forPath(spark, path) if missing or filled else table
 
 
-# The comment a declared column carries from when it is added to a mirror that holds rows until
-# its default is in every one of them: a run that finds it fills them (again).
-FILLING_DEFAULT = "cdc-lake: filling the default into the rows from before the column"
+# The comment a column carries from when it is added to a mirror that holds rows until its
+# default (the JSON after the prefix) is in every one of them: a run that finds it fills them.
+FILLING_DEFAULT = "cdc-lake: filling into the rows from before the column its default "
 
 
 def fill_defaults(
@@ -177,44 +178,59 @@ def fill_defaults(
     """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
     the mirror gains while it holds rows: the rows from before it show the default, as the
     source's rows from before its `ADD COLUMN ... DEFAULT` do (a change written before the
-    column existed gets it from the decoder).
+    column existed gets it from the decoder). `defaults` holds only the columns whose rows from
+    before may take it (`hour_run`: not one whose values the mirror left out earlier).
 
-    Three commits before the run's MERGE, none of them the run's: the column is added marked
-    `FILLING_DEFAULT`, every row takes the default, the mark is replaced by a note of the
-    default. A run that finds the mark (a crash came between) fills again; no MERGE has
-    written the column meanwhile, since every run passes here first. Returns whether it
-    changed the table's schema.
+    Three commits before the run's MERGE, none of them the run's: the column is added with its
+    default in the comment `FILLING_DEFAULT`, every row takes that default, the comment is
+    replaced by a note. Any run that finds such a comment (a crash came between) fills the
+    rows with the default it names before its MERGE, whatever defaults the run knows, so no
+    MERGE writes the column before its fill. Returns whether it changed the table's schema.
     """
     defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
-    if not defaults:
-        return False
     quoted = path.replace("`", "``")
-    stored = {f.name.lower() for f in DeltaTable.forPath(spark, path).toDF().schema}
-    new = [c for c in defaults if c.lower() not in stored]
+    stored = DeltaTable.forPath(spark, path).toDF().schema
+    names = {f.name.lower() for f in stored}
+    new = [c for c in defaults if c.lower() not in names]
+    pending = [f for f in stored if str(f.metadata.get("comment", "")).startswith(FILLING_DEFAULT)]
+    if not new and not pending:
+        return False
     if new:
         added = ", ".join(
-            f"`{_name(c)}` {schema[c].dataType.simpleString()} COMMENT '{FILLING_DEFAULT}'"
+            f"`{_name(c)}` {schema[c].dataType.simpleString()} COMMENT "
+            f"'{_sql_text(FILLING_DEFAULT + default_json(defaults[c]))}'"
             for c in new
         )
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({added})")
     table = DeltaTable.forPath(spark, path)
     pending = [
-        f.name
+        f
         for f in table.toDF().schema
-        if f.name in defaults and f.metadata.get("comment") == FILLING_DEFAULT
+        if str(f.metadata.get("comment", "")).startswith(FILLING_DEFAULT)
     ]
-    if not pending:
-        return bool(new)
-    table.update(set={c: F.lit(defaults[c]).cast(schema[c].dataType) for c in pending})
-    for c in pending:
+    values = {
+        f.name: typed_default(
+            f.dataType.simpleString(), json.loads(f.metadata["comment"][len(FILLING_DEFAULT) :])
+        )
+        for f in pending
+    }
+    table.update(set={f.name: F.lit(values[f.name]).cast(f.dataType) for f in pending})
+    for f in pending:
         log.info(
-            "table '%s': column '%s' added with its default in the rows before it", spec.name, c
+            "table '%s': column '%s' added, its default in the rows from before it",
+            spec.name,
+            f.name,
         )
         spark.sql(
-            f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{_name(c)}` COMMENT "
+            f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{_name(f.name)}` COMMENT "
             "'cdc-lake: rows from before the column hold its default'"
         )
     return True
+
+
+def _sql_text(text: str) -> str:
+    """Text for inside a Spark SQL string literal in single quotes."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _name(column: str) -> str:
@@ -352,11 +368,8 @@ def _merge_once(
             # Every change was stale (or there was none): Delta committed nothing.
             # A metadata-only commit, so that this run's slice is on record too.
             ledger_commit(spark, path)
-            recorded = (
-                ledger.run_commit(run_metadata, LEDGER_OPERATION).version
-                if ledger is not None
-                else current_version(spark, path)
-            )
+            mine = ledger.run_commit(run_metadata, LEDGER_OPERATION) if ledger else None
+            recorded = mine.version if mine is not None else current_version(spark, path)
             return MergeOutcome(
                 None, prior.source_rows, 0, 0, 0, 0, prior=prior, recorded_version=recorded
             )

@@ -123,7 +123,8 @@ def merge_sets(spec: TableSpec) -> tuple[dict[str, Column], Column]:
 
 def resolve_moves(spark: SparkSession, spec: TableSpec, path: str) -> int:
     """Carries toasted values over from moved rows' old keys; returns the rows filled (each
-    pass that fills any is a Delta commit of its own, without the run's metadata).
+    pass that fills any is a Delta commit of its own, which `hour_run` gives the run's record
+    marked `moved_rows`).
 
     A pass fills each moved row's unknown (or older-than-available) values from its old key's
     row; a chain of moves takes a pass per link. Cheap when nothing is pending: Delta skips the

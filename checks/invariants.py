@@ -337,6 +337,19 @@ def schema_drift_result(
             "longer sent)"
         )
     problems += [reason for reasons in changed.values() for reason in reasons]
+    undeclared_defaults = sorted(
+        column
+        for column in shape.source_defaults()
+        if column in spec.columns
+        and column not in {*spec.defaults, *spec.sensitive, *spec.primary_key}
+    )
+    if undeclared_defaults:
+        problems.append(
+            f"the source's schema gives {', '.join(undeclared_defaults)} a default that the tables "
+            "file does not declare: changes written before such a column existed hold null in "
+            "the mirror where the source shows its default; declare it under columns as {type: "
+            "..., default: ...} (the connector's schema shows it)"
+        )
     return _verdict(
         SCHEMA_DRIFT,
         policy,
@@ -347,6 +360,7 @@ def schema_drift_result(
             "vanished": ", ".join(vanished),
             "type_changed": dg.MetadataValue.json(changed),
             "withheld_columns": ", ".join(result.withheld_columns),
+            "undeclared_defaults": ", ".join(undeclared_defaults),
         },
     )
 

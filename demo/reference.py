@@ -223,7 +223,7 @@ def _parse(
 
 def _default(spec: TableSpec, col: str, spark_type: str) -> Any:
     """The column's declared default as the replay's rows hold values (None when none)."""
-    raw = spec.defaults.get(col)
+    raw = spec.defaults.get(col)  # the connector's schema defaults are not replayed here
     if raw is None:
         return None
     match = _DECIMAL.match(spark_type)
@@ -231,8 +231,13 @@ def _default(spec: TableSpec, col: str, spark_type: str) -> Any:
         return Decimal(str(raw)).quantize(Decimal(1).scaleb(-int(match.group(2))))
     if spark_type == "date" and isinstance(raw, str):
         return date.fromisoformat(raw)
+    if spark_type == "timestamp":
+        moment = datetime.fromisoformat(raw) if isinstance(raw, str) else raw
+        return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     if spark_type in ("double", "float"):
         return float(raw)
+    if spark_type == "string":
+        return str(raw)
     return raw
 
 

@@ -159,7 +159,11 @@ def debezium_record(draw, decimal_handling: str) -> tuple:
     if op == "d" and draw(st.booleans()):
         envelope["before"] = {"id": None}  # Postgres' default replica identity: key only
     # A record written before a column existed: its schema and its row lack the column.
-    lacks = draw(st.sampled_from([None, None, None, "n", "note", "blob"])) if wrapped else None
+    lacks = (
+        draw(st.sampled_from([None, None, None, "n", "note", "blob", "amount", "day", "at"]))
+        if wrapped
+        else None
+    )
     if lacks is not None:
         for image in (envelope["before"], envelope["after"]):
             if isinstance(image, dict):

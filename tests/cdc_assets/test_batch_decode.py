@@ -45,6 +45,7 @@ def test_the_fast_pass_gives_the_exact_passs_batch(decimal_handling, records, ad
         spec = TableSpec.model_validate({**spec.model_dump(), "expectations": [hard]})
     if defaults:  # what a change from before a column existed gives it
         values = {"n": 7, "note": "none yet", "day": "2026-01-02", "amount": "1.50"}
+        values["at"] = "2026-01-02T03:04:05.678901+00:00"
         spec = TableSpec.model_validate({**spec.model_dump(), "defaults": values})
     drawn = records.draw(st.lists(debezium_record(decimal_handling), min_size=0, max_size=40))
     plan = {"added_columns": {"extra": "bigint"}} if added else {}

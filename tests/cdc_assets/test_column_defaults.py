@@ -1,12 +1,16 @@
 """A column with a default that a mirror gains while it holds rows (`merge.fill_defaults`):
 the rows from before it hold the default, and a crash between adding the column and filling
-it is filled by the next run. Real Spark and Delta."""
+it is filled by the next run, with the default the column's mark names. Real Spark and Delta."""
 
 from __future__ import annotations
 
+from datetime import date
+
 from delta.tables import DeltaTable
+from pyspark.sql.types import LongType, StructField, StructType
 
 from cdc_assets.config import TableSpec
+from cdc_assets.hour_run import column_defaults, fillable_defaults
 from cdc_assets.merge import FILLING_DEFAULT, fill_defaults
 
 SPEC = TableSpec.model_validate(
@@ -25,26 +29,47 @@ def _comments(spark, path: str) -> dict[str, str | None]:
     return {f.name: f.metadata.get("comment") for f in schema}
 
 
+def _grades(spark, path: str) -> list:
+    return [r["grade"] for r in spark.read.format("delta").load(path).orderBy("id").collect()]
+
+
 def test_rows_from_before_a_column_take_its_default_even_after_a_crash(spark, tmp_path):
     path = str(tmp_path / "mirror")
     spark.createDataFrame([(1,), (2,)], "id bigint").write.format("delta").save(path)
     source = spark.createDataFrame([], "id bigint, grade string").schema
 
-    fill_defaults(spark, path, SPEC, source, SPEC.column_defaults())
-    rows = spark.read.format("delta").load(path).orderBy("id").collect()
-    assert [(r["id"], r["grade"]) for r in rows] == [(1, "B"), (2, "B")]
-    assert _comments(spark, path)["grade"] != FILLING_DEFAULT
+    quoting = {"grade": "O'Brien \\ B"}  # SQL's quote and escape characters, kept as they are
+    assert fill_defaults(spark, path, SPEC, source, quoting)
+    assert _grades(spark, path) == [quoting["grade"]] * 2
+    assert not _comments(spark, path)["grade"].startswith(FILLING_DEFAULT)
 
-    # A crash right after the column was added: it carries the mark, its rows are null.
+    # A crash right after the column was added: it carries the mark and its default, its rows
+    # are null. The next run fills them, even one that knows no default itself.
     crashed = str(tmp_path / "crashed")
     spark.createDataFrame([(1,)], "id bigint").write.format("delta").save(crashed)
-    spark.sql(
-        f"ALTER TABLE delta.`{crashed}` ADD COLUMNS (grade string COMMENT '{FILLING_DEFAULT}')"
-    )
-    fill_defaults(spark, crashed, SPEC, source, SPEC.column_defaults())
-    assert [r["grade"] for r in spark.read.format("delta").load(crashed).collect()] == ["B"]
+    mark = f'{FILLING_DEFAULT}"B"'
+    spark.sql(f"ALTER TABLE delta.`{crashed}` ADD COLUMNS (grade string COMMENT '{mark}')")
+    assert fill_defaults(spark, crashed, SPEC, source, {})
+    assert _grades(spark, crashed) == ["B"]
 
     # Once filled, a later run leaves the column alone (its nulls may be real ones).
     spark.sql(f"UPDATE delta.`{crashed}` SET grade = NULL")
-    fill_defaults(spark, crashed, SPEC, source, SPEC.column_defaults())
-    assert [r["grade"] for r in spark.read.format("delta").load(crashed).collect()] == [None]
+    assert not fill_defaults(spark, crashed, SPEC, source, SPEC.column_defaults())
+    assert _grades(spark, crashed) == [None]
+
+
+def test_only_undeclared_columns_take_the_connectors_default_and_only_unseen_ones_fill():
+    """A declared column takes the tables file's default alone (else hours from before it would
+    hold null or the connector's default by the order they ran in); an undeclared one the
+    connector's. A column the source sent while the mirror left it out is not filled."""
+    connector = {"grade": "A", "memo": "none", "since": "2026-01-02", "odd": "x"}
+    added = {"memo": "string", "since": "date", "odd": "bigint"}
+    assert column_defaults(SPEC, added, connector) == {
+        "grade": "B",  # declared: the tables file's, not the connector's "A"
+        "memo": "none",
+        "since": date(2026, 1, 2),
+        # "odd" is no bigint: no default
+    }
+    stored = StructType([StructField("id", LongType())])
+    fillable = fillable_defaults(SPEC, {"grade": "B", "memo": "none"}, stored, {"memo"})
+    assert fillable == {"grade": "B"}

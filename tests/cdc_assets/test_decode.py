@@ -233,13 +233,25 @@ def test_a_schema_default_is_read_in_the_columns_encoding():
     with_defaults = json.loads(json.dumps(ROW_SCHEMA))
     with_defaults["fields"][1]["default"] = _b64(150)  # balance numeric(14,2) DEFAULT 1.50
     with_defaults["fields"][2]["default"] = "none yet"
-    with_defaults["fields"].append(
-        {"type": "int32", "optional": True, "default": 3, "field": "grade"}  # undeclared
-    )
+    date_type, micros = "io.debezium.time.Date", "io.debezium.time.MicroTimestamp"
+    with_defaults["fields"] += [  # undeclared columns
+        {"type": "int32", "optional": True, "default": 3, "field": "grade"},
+        {"type": "int32", "name": date_type, "default": 1, "field": "since"},
+        {"type": "int64", "name": micros, "default": 1_500_000, "field": "seen_at"},
+        # MySQL's DEFAULT CURRENT_TIMESTAMP, as Debezium writes it: not a value rows hold.
+        {"type": "int64", "name": micros, "default": 0, "field": "created_at"},
+    ]
     row = {"id": 1, "balance": _b64(1), "note": None, "grade": 4}
+    row |= {"since": 2, "seen_at": 5, "created_at": 6}
     rows = _decode([(b'{"id":1}', _value("c", row, 1, schema=_schema(with_defaults)))])
     shape = SourceShape.combine(r[SHAPE] for r in rows)
-    assert shape.source_defaults() == {"balance": "1.50", "note": "none yet", "grade": 3}
+    assert shape.source_defaults() == {
+        "balance": "1.50",
+        "note": "none yet",
+        "grade": 3,
+        "since": "1970-01-02",
+        "seen_at": "1970-01-01T00:00:01.500000+00:00",
+    }
     # A default that changed within the hour is not taken: which one the rows hold is unsure.
     other = json.loads(json.dumps(with_defaults))
     other["fields"][2]["default"] = "other"

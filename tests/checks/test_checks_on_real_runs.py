@@ -426,10 +426,12 @@ def test_an_hour_over_its_error_share_fails_the_run_unless_the_table_accepts_it(
     send(topic, _key(19), _change("c", 19, 29, balance=True), _ms(HOUR) + 19)  # undecodable
     send(topic, _key(99), _change("c", 99, 99), _ms(HOUR + timedelta(hours=1)))
     resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
-    strict, lenient = (
+    send(topic, _key(98), _change("c", 98, 98), _ms(HOUR + timedelta(hours=2)))
+    strict, ranged, lenient = (
         _spec(topic, name=name, **extra)
         for name, extra in (
             ("strict", {}),
+            ("ranged", {}),
             ("lenient", {"checks": {"error_rate": {"severity": "WARN"}}}),
         )
     )
@@ -447,6 +449,25 @@ def test_an_hour_over_its_error_share_fails_the_run_unless_the_table_accepts_it(
         assert "1 of 20 changes (5.00%)" in check.description
         assert "column 'balance'" in check.description  # the reason names the column and fix
         assert "error_rate: {severity: WARN}" in check.description
+
+        # A run over a range of hours (a backfill) fails the same way.
+        over_range = dg.materialize(
+            [build_table_asset(checks=MIRROR_CHECKS, spec=ranged)],
+            tags={
+                "dagster/asset_partition_range_start": KEYS[0],
+                "dagster/asset_partition_range_end": KEYS[1],
+            },
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+        )
+        assert not over_range.success
+        rates = {
+            c.partition: c.passed
+            for c in over_range.get_asset_check_evaluations()
+            if c.check_name == "error_rate"
+        }
+        assert rates == {KEYS[0]: False, KEYS[1]: True}
 
         accepted = dg.materialize(
             [build_table_asset(checks=MIRROR_CHECKS, spec=lenient)],
