@@ -24,11 +24,11 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime
 
 import requests
 
-HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition keys, UTC
+from cdc_assets.hours import parse_hour_key
+
 MIRRORS_GROUP = "cdc_mirrors"
 TRIGGER_TAG = {"key": "cdc/trigger", "value": "backfill_cli"}
 DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
@@ -105,11 +105,8 @@ def hour_keys_between(first: str, last: str) -> tuple[str, str]:
     """Checks the range's ends are hour keys, in order; returns them."""
     parsed = []
     for option, value in (("--from", first), ("--to", last)):
-        try:
-            when = datetime.strptime(value, HOUR_FORMAT)
-        except ValueError:
-            when = None
-        if when is None or when.minute or when.strftime(HOUR_FORMAT) != value:
+        when = parse_hour_key(value)
+        if when is None:
             raise BackfillError(
                 f"{option} '{value}' is not an hour key; write it like 2026-11-21-18:00 (UTC, "
                 "on the hour)"

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from cdc_assets import encodings
+from cdc_assets.hours import HOUR_KEY_FORMAT, hour_start
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 # The environment variable naming the tables file a deployment loads instead.
@@ -39,7 +40,6 @@ _TIMESTAMP_UNITS = {
     "timestamp(ns)": "NanoTimestamp",
 }
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition key format
 
 
 # Names of the checks every table has; expectations are named '<column>_<expect>'.
@@ -174,10 +174,6 @@ class SequenceField(BaseModel):
         if not all(_IDENT.match(part) for part in value.split(".")):
             raise ValueError(f"'{value}' is not a dotted path of identifiers (e.g. 'source.lsn')")
         return value
-
-    @property
-    def struct_name(self) -> str:
-        return self.field.replace(".", "_")
 
 
 Severity = Literal["WARN", "ERROR"]
@@ -561,7 +557,7 @@ class TableSpec(BaseModel):
     @classmethod
     def _start_hour(cls, value: str) -> str:
         try:
-            parsed = datetime.strptime(value, _HOUR_FORMAT)
+            parsed = datetime.strptime(value, HOUR_KEY_FORMAT)
         except ValueError:
             raise ValueError(f"'{value}' is not an hour like '2026-11-20-00:00' (UTC)") from None
         if parsed.minute:
@@ -662,7 +658,7 @@ class TableSpec(BaseModel):
 
     @property
     def start_datetime(self) -> datetime:
-        return datetime.strptime(self.start_hour, _HOUR_FORMAT).replace(tzinfo=UTC)
+        return hour_start(self.start_hour)
 
     @property
     def error_table_name(self) -> str:

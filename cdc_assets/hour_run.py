@@ -48,6 +48,7 @@ from cdc_assets.decode import (
     decode_locally,
 )
 from cdc_assets.error_table import write_errors
+from cdc_assets.hours import hour_start, previous_key
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import added_columns, merge_changes, mirror_schema
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
@@ -61,7 +62,6 @@ from resources.spark import session_settings
 
 log = logging.getLogger(__name__)
 
-HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"
 # Slices up to this many records are read and decoded in the driver (see `run_hour`).
 DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
 
@@ -127,14 +127,6 @@ class HourResult:
         if self.newest_source_ts is None:
             return None
         return (self.finished_at - self.newest_source_ts).total_seconds()
-
-
-def hour_start(hour_key: str) -> datetime:
-    return datetime.strptime(hour_key, HOUR_KEY_FORMAT).replace(tzinfo=UTC)
-
-
-def previous_key(hour_key: str) -> str:
-    return (hour_start(hour_key) - timedelta(hours=1)).strftime(HOUR_KEY_FORMAT)
 
 
 def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int, int] | None:
@@ -513,7 +505,7 @@ def _run_record(
 
 
 def _after_truncates(
-    decoded: DataFrame, history: list[dict], hour_truncate: int | None
+    decoded: DataFrame, history: list[dict], hour_truncate: list | None
 ) -> tuple[DataFrame, int]:
     """The applicable changes newer than the table's newest truncate (this hour's or an earlier
     one's, recorded in `history`), and how many were older: a change older than a truncate is

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,12 +77,6 @@ class DeltaLog:
         if version not in self._commits:
             self._commits[version] = self._read(version)
         return self._commits[version]
-
-    def pipeline_commits(self) -> Iterator[Commit]:
-        """The commits the pipeline's runs made (their metadata records a slice), newest first."""
-        for commit in self.commits():
-            if commit.metadata is not None and "slice" in commit.metadata:
-                yield commit
 
     def run_commit(self, metadata: dict[str, Any], operation: str) -> Commit | None:
         """The newest `operation` commit carrying exactly `metadata`: a run's own commit."""

@@ -1,1 +1,1 @@
-"""Asset checks: the pipeline's own invariants (and, later, great-expectations suites)."""
+"""Asset checks: the pipeline's own invariants and the great-expectations suites."""

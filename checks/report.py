@@ -37,10 +37,9 @@ from cdc_assets.config import (
     load_tables,
 )
 from cdc_assets.factory import hourly_partitions
+from cdc_assets.hours import hour_key, parse_hour_key
 from checks.invariants import RETENTION_RISK
 from checks.table_checks import run_check_specs
-
-HOUR_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition keys, UTC
 
 PASSED = "PASSED"
 FAILED_ERROR = "FAILED(ERROR)"
@@ -70,20 +69,17 @@ def hour_range(first: str, last: str) -> list[str]:
     if end < start:
         raise ReportError(f"--to {last} is before --from {first}; give --from the earlier hour")
     count = int((end - start) / timedelta(hours=1)) + 1
-    return [(start + timedelta(hours=n)).strftime(HOUR_FORMAT) for n in range(count)]
+    return [hour_key(start + timedelta(hours=n)) for n in range(count)]
 
 
 def _parse_hour(value: str, option: str) -> datetime:
-    try:
-        parsed = datetime.strptime(value, HOUR_FORMAT)
-    except ValueError:
-        parsed = None
-    if parsed is None or parsed.minute or parsed.strftime(HOUR_FORMAT) != value:
+    parsed = parse_hour_key(value)
+    if parsed is None:
         raise ReportError(
             f"{option} '{value}' is not an hour key; write it like 2026-11-02-06:00 (UTC, on "
             "the hour)"
         )
-    return parsed.replace(tzinfo=UTC)
+    return parsed
 
 
 def _evaluated_records(
@@ -91,8 +87,9 @@ def _evaluated_records(
 ) -> Iterator[Any]:
     """The check's evaluated execution records for one hour, newest first.
 
-    The only use of dagster internals: the per-partition, per-status filters of the execution
-    history have no public type. Pages with the record id as cursor.
+    Reads dagster internals (as `cdc_assets.factory` does for a range's check results): the
+    per-partition, per-status filters of the execution history have no public type. Pages with
+    the record id as cursor.
     """
     from dagster._core.event_api import PartitionKeyFilter
     from dagster._core.storage.asset_check_execution_record import (

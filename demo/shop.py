@@ -375,10 +375,11 @@ def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
     import yaml
 
     from cdc_assets.config import DEFAULT_TABLES_FILE
+    from cdc_assets.hours import hour_key
 
     raw = yaml.safe_load(DEFAULT_TABLES_FILE.read_text())
     for table in raw["tables"]:
-        table["start_hour"] = first_hour.strftime("%Y-%m-%d-%H:%M")
+        table["start_hour"] = hour_key(first_hour)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         "# Written by demo/shop.py: cdc_assets/tables.yaml, starting at the demo's first hour.\n"

@@ -222,14 +222,6 @@ def status(config: ClusterConfig) -> dict[str, object]:
     }
 
 
-def master_state(config: ClusterConfig) -> dict:
-    """The master's JSON state (workers, activeapps, completedapps)."""
-    state = _get_json(config.master_json_url)
-    if state is None:
-        raise RuntimeError(f"The Spark master does not answer on {config.master_json_url}")
-    return state
-
-
 def worker_state(config: ClusterConfig) -> dict:
     """The worker's JSON state (executors, finishedexecutors, each with its appid)."""
     state = _get_json(config.worker_json_url)

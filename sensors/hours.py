@@ -1,16 +1,12 @@
-"""Hour keys and the hour arithmetic the offset sensor's modules share."""
+"""The hour arithmetic the offset sensor's modules share (hour keys: `cdc_assets.hours`)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
-from cdc_assets.hour_run import HOUR_KEY_FORMAT
+from cdc_assets.hours import HOUR, hour_key
 
-HOUR = timedelta(hours=1)
-
-
-def hour_key(moment: datetime) -> str:
-    return moment.strftime(HOUR_KEY_FORMAT)
+__all__ = ["HOUR", "floor_hour", "from_ms", "hour_key", "to_ms"]
 
 
 def floor_hour(moment: datetime) -> datetime:

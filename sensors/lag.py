@@ -10,7 +10,7 @@ from datetime import datetime
 import dagster as dg
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import hour_start
+from cdc_assets.hours import hour_start
 from sensors.cursor import FleetCursor
 from sensors.hours import HOUR, from_ms
 from sensors.topic_reads import TopicProgress

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 import dagster as dg
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import hour_start
+from cdc_assets.hours import hour_start
 from cdc_assets.slicing import SliceError
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource

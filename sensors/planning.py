@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import hour_start
+from cdc_assets.hours import hour_start
 from cdc_assets.slicing import open_reason
 from sensors.cursor import Cursor
 from sensors.hours import HOUR, hour_key

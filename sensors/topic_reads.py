@@ -115,25 +115,6 @@ def read_fleet_progress_within(
         ) from None
 
 
-def read_progress(
-    consumer: KafkaConsumer,
-    uncommitted: KafkaConsumer,
-    *,
-    table: str,
-    topic: str,
-    watch_from: datetime | None,
-    floor: datetime,
-    now: datetime,
-) -> TopicProgress:
-    """`read_fleet_progress` of one table; raises its error (a missing topic, say)."""
-    found = read_fleet_progress(
-        consumer, uncommitted, [Watch(table, topic, watch_from, floor)], now=now
-    )[table]
-    if isinstance(found, Exception):
-        raise found
-    return found
-
-
 def read_fleet_progress(
     consumer: KafkaConsumer,
     uncommitted: KafkaConsumer,

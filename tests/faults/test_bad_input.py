@@ -21,7 +21,8 @@ from cdc_assets import hour_run
 from cdc_assets.commits import hour_history
 from cdc_assets.config import CheckPolicy
 from cdc_assets.factory import build_table_asset
-from cdc_assets.hour_run import TruncateError, hour_start, run_hour
+from cdc_assets.hour_run import TruncateError, run_hour
+from cdc_assets.hours import hour_start
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result
 from checks.table_checks import MIRROR_CHECKS, build_retention_check_for

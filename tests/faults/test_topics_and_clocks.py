@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewPartitions
 
 from cdc_assets.config import CheckPolicy
-from cdc_assets.hour_run import hour_start
+from cdc_assets.hours import hour_start
 from cdc_assets.slicing import OpenHourError
 from checks.invariants import accounting_result, continuity_result
 from tests.faults import table
