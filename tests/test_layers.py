@@ -76,3 +76,96 @@ def test_the_rule_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         "cdc_assets/hour_run.py:2 imports checks.expectations (cdc_assets is layer 1, "
         "checks is layer 2)"
     ]
+
+
+# --- no module-level import cycle -------------------------------------------------------------
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules `path` imports when it is imported: its top-level statements (an
+    import inside a function, or under `if TYPE_CHECKING:`, runs later or never)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from package import module` imports the module, `from module import name` the
+            # module: whichever of the two is a project module.
+            names = [
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in known
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def _import_cycles(root: Path) -> list[list[str]]:
+    """The import cycles among the modules of the layered packages, each as its modules."""
+    paths = {
+        _module_name(path, root): path
+        for package in LAYER_OF
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    known = set(paths)
+    graph = {module: _top_level_imports(path, known) - {module} for module, path in paths.items()}
+    # Tarjan's strongly connected components: a component of two or more modules is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others_when_imported():
+    assert _import_cycles(REPO) == []
+
+
+def test_the_cycle_rule_can_fail(tmp_path: Path):
+    fake = tmp_path / "repo"
+    for package in LAYER_OF:
+        (fake / package).mkdir(parents=True)
+        (fake / package / "__init__.py").write_text("")
+    (fake / "cdc_assets" / "decode.py").write_text("from cdc_assets.batch_decode import run\n")
+    (fake / "cdc_assets" / "batch_decode.py").write_text("from cdc_assets import decode\n")
+    (fake / "cdc_assets" / "tally.py").write_text("def f():\n    from cdc_assets import decode\n")
+    assert _import_cycles(fake) == [["cdc_assets.batch_decode", "cdc_assets.decode"]]
