@@ -1,7 +1,16 @@
-"""One partition run: slice → read → decode → newest per key → errors → MERGE → counts.
+"""One table-hour, as stages: plan → read → decode → audit → apply → validate → account.
 
-Kept free of Dagster so that the same function serves the asset, tests and benchmarks; the
-asset turns its `HourResult` into materialization metadata.
+    hour = plan(ctx, ...)            # the hour's slice of the topic, or why it can't run yet
+    records = read(ctx, hour)        # in this process for a small slice, by Spark for a large
+    changes = decode_hour(ctx, ...)  # typed change rows, bad records marked as errors
+    held = audit(ctx, changes, ...)  # the hard expectations hold failing changes back
+    applied = apply(ctx, ...)        # errors to the error table; one guarded MERGE, one commit
+    verdicts = validate(ctx, ...)    # the other expectations, on the hour's newest changes
+    return account(ctx, ...)         # every record counted where it happened (`HourCounts`)
+
+Each stage is a function of the run's `HourContext` and the values the stages before it
+returned. Kept free of Dagster, so the same function serves the asset, tests and benchmarks;
+the asset turns the `HourResult` into materialization metadata and check results.
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ from cdc_assets.decode import (
 )
 from cdc_assets.error_table import write_errors
 from cdc_assets.hours import hour_start, previous_key
+from cdc_assets.ledger import DeltaLog
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
-from cdc_assets.merge import added_columns, merge_changes, mirror_schema
+from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_schema
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
 from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
@@ -64,6 +74,370 @@ log = logging.getLogger(__name__)
 
 # Slices up to this many records are read and decoded in the driver (see `run_hour`).
 DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
+
+
+def run_hour(
+    *,
+    spark: SparkSession,
+    kafka: KafkaResource,
+    lake: LakeResource,
+    spec: TableSpec,
+    hour_key: str,
+    checks: MirrorChecks,
+    now: datetime | None = None,
+    force_open_hour: bool = False,
+    masking_key: HmacKey | None = None,
+    local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
+) -> HourResult:
+    """Materializes one hour of `spec` into its Delta mirror and returns what happened.
+
+    `checks` audits the hour's changes before the MERGE (the hard expectations' failures go to
+    the error table) and validates the newest change per key after it (`cdc_assets.checking`).
+
+    A slice of at most `local_read_max_records` records is read and decoded in this process
+    (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
+    one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
+    same decoder, so they give the same rows.
+    """
+    lake.connect(spark)
+    path = lake.table_path(spec.name)
+    with _storage_failures_named(spec, hour_key, path):
+        ctx = HourContext.start(spark, kafka, lake, spec, hour_key, checks, masking_key)
+        hour = plan(ctx, now or datetime.now(UTC), force_open_hour, local_read_max_records)
+        if hour.slice.size == 0 and ctx.version is not None:
+            return record_empty(ctx, hour)
+        with (
+            sized_shuffles(spark, hour.slice.size, adaptive=not hour.local),
+            _Frames(hour.local) as frames,
+        ):
+            records = read(ctx, hour)
+            changes = decode_hour(ctx, hour, records, frames)
+            held = audit(ctx, changes, frames)
+            applied = apply(ctx, hour, changes, held, frames)
+            verdicts = validate(ctx, applied)
+        return account(ctx, hour, records, changes, held, applied, verdicts)
+
+
+# --- the stages --------------------------------------------------------------------------------
+
+
+def plan(
+    ctx: HourContext, now: datetime, force_open_hour: bool, local_read_max_records: int
+) -> HourPlan:
+    """The hour's slice: where each partition's hour begins by the runs on record, where it
+    ends by Kafka's offsets for the hour's end; refused while open (I5) or lost (I6)."""
+    previous_end = recorded_offsets(ctx.history, previous_key(ctx.hour_key), "end")
+    starts = known_starts(ctx.history, ctx.hour_key, previous_end)
+    hour_slice = _slice(ctx.kafka, ctx.spec, ctx.hour_key, now, starts, previous_end is not None)
+    _refuse_open_or_lost(ctx.spec, ctx.hour_key, hour_slice, force_open_hour)
+    return HourPlan(
+        slice=hour_slice,
+        previous_end=previous_end,
+        prior_newest=recorded_mirror_newest(ctx.spark, ctx.path, ctx.history, ctx.version),
+        local=hour_slice.size <= local_read_max_records,
+    )
+
+
+def read(ctx: HourContext, hour: HourPlan) -> DataFrame | pa.RecordBatch:
+    """The slice's records: read in this process when small, else by Spark's Kafka source."""
+    if not hour.local:
+        return read_slice(ctx.spark, ctx.kafka.spark_options(), hour.slice)
+    consumer = ctx.kafka.consumer()
+    try:
+        return read_slice_locally(consumer, hour.slice)
+    finally:
+        consumer.close()
+
+
+def decode_hour(
+    ctx: HourContext, hour: HourPlan, records: DataFrame | pa.RecordBatch, frames: _Frames
+) -> DecodedHour:
+    """The hour's records decoded and masked, against the mirror as it is stored: the columns
+    it gained undeclared, and those the hour brings (`_decode_with_new_columns`)."""
+    stored_schema = mirror_schema(ctx.spark, ctx.path)
+    check_stored_mirror(stored_schema, ctx.path, ctx.spec)  # no raw values beside masked ones
+    batch, added, withheld, connector, defaults = _decode_with_new_columns(
+        ctx.spark,
+        records,
+        ctx.spec,
+        ctx.hour_key,
+        added_columns(stored_schema, ctx.spec),
+        ctx.masking_key,
+        ctx.running(COLUMN_DEFAULTS, {}),
+    )
+    frames.track(batch.frame)
+    # From here on the spec describes the mirror: hashed columns are strings, dropped ones
+    # gone, added ones there.
+    stored = stored_spec(ctx.spec)
+    return DecodedHour(
+        batch=batch,
+        spec=stored.model_copy(update={"columns": {**stored.columns, **added}}),
+        stored_schema=stored_schema,
+        withheld=withheld,
+        connector_defaults=connector,
+        defaults=defaults,
+    )
+
+
+def audit(ctx: HourContext, changes: DecodedHour, frames: _Frames) -> HeldBack:
+    """The hard expectations: changes that fail one are held back, into the error table."""
+    held = _hold_back(ctx.spark, changes.spec, changes.batch, ctx.checks, frames.keep)
+    if held.decoded is not changes.batch.frame:
+        frames.track(held.decoded)
+    tally = changes.batch.tally
+    if tally.truncates and changes.spec.on_truncate == "fail":
+        _fail_on_truncate(changes.spec, ctx.hour_key, tally)
+    if held.errors:
+        _fail_on_sequence_mismatch(changes.spec, ctx.hour_key, held.reasons, tally)
+    return held
+
+
+def apply(
+    ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack, frames: _Frames
+) -> Applied:
+    """The error rows to the error table; the newest change per key MERGEd into the mirror in
+    one commit that records the run; then the moved rows' TOASTed values, a commit of its own
+    that carries the run's record, marked (a crash before it is repaired by the next run with
+    changes, which resolves every move still open)."""
+    spec, tally, decoded = changes.spec, changes.batch.tally, held.decoded
+    hour_truncate = tally.truncate_sequence if tally.truncates else None
+    good, older_than_truncate = _after_truncates(decoded, ctx.history, hour_truncate)
+    # The hour's keys counted on the batch, apart from the newest-change-per-key step (the
+    # MERGE's source) that Delta counts: the accounting compares the two.
+    distinct_keys = good.select(*spec.primary_key).distinct().count()
+    if held.errors:
+        write_errors(
+            ctx.spark,
+            spec,
+            ctx.lake.table_path(spec.error_table_name),
+            decoded.where(F.col(ERROR).isNotNull()),
+            hour_key=ctx.hour_key,
+            ingested_at=hour.ingested_at,
+        )
+    commit = _run_record(ctx, hour, changes, held, hour_truncate)
+    latest = frames.keep(latest_per_key(good, spec))  # the MERGE's source, the expectations'
+    if not hour.local:
+        latest.count()  # fills the cache once: the queries below read it twice each
+    with merge_source(ctx.spark, materialized=not hour.local):
+        outcome = merge_changes(
+            ctx.spark,
+            spec,
+            ctx.path,
+            latest,
+            ingested_at=hour.ingested_at,
+            run_metadata=commit,
+            truncate_before=(
+                None
+                if hour_truncate is None
+                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
+            ),
+            key_range=key_range(spec, tally),
+            ledger=ctx.ledger,
+            defaults=fillable_defaults(
+                spec, changes.defaults, changes.stored_schema, set(ctx.running(SOURCE_COLUMNS, ()))
+            ),
+        )
+    version = outcome.recorded_version
+    with commit_metadata(ctx.spark, {**commit, MOVED_ROWS: True}):
+        if toast.resolve_moves(ctx.spark, spec, ctx.path):
+            version = current_version(ctx.spark, ctx.path, ctx.ledger)
+    return Applied(spec, outcome, version, latest, distinct_keys, older_than_truncate, commit)
+
+
+def validate(ctx: HourContext, applied: Applied) -> tuple[object, ...]:
+    """The expectations that are not hard, on the hour's newest live change per key."""
+    outcome = applied.outcome
+    return tuple(
+        ctx.checks.validate(
+            ctx.spark,
+            applied.spec,
+            ctx.path,
+            applied.version,
+            applied.latest.where(~F.col(DELETED)),
+            keys=KeyCounts(keys=outcome.prior.source_rows, duplicates=outcome.duplicate_rows),
+        )
+    )
+
+
+def account(
+    ctx: HourContext,
+    hour: HourPlan,
+    records: DataFrame | pa.RecordBatch,
+    changes: DecodedHour,
+    held: HeldBack,
+    applied: Applied,
+    verdicts: tuple[object, ...],
+) -> HourResult:
+    """What the run did: each figure of I2 counted where it happened (`HourCounts.counted`)."""
+    spec, tally, outcome = applied.spec, changes.batch.tally, applied.outcome
+    # Spark's read: counted by the decoder, which takes every row the read gives.
+    consumed = records.num_rows if hour.local else tally.records
+    census = (
+        offset_census(ctx.kafka, hour.slice, None if hour.local else ctx.spark)
+        if consumed < hour.slice.size
+        else None
+    )
+    return HourResult(
+        table=spec.name,
+        hour_key=ctx.hour_key,
+        slice=hour.slice,
+        counts=HourCounts.counted(
+            consumed,
+            tally,
+            held.errors,
+            outcome,
+            applied.distinct_keys,
+            applied.older_than_truncate,
+            census,
+        ),  # fmt: skip
+        rows_inserted=outcome.rows_inserted,
+        rows_updated=outcome.rows_updated,
+        rows_deleted=outcome.rows_deleted,
+        delta_version=applied.version,
+        partial=not hour.slice.closed,
+        newest_source_ts=_from_ms(held.newest_ms),
+        finished_at=datetime.now(UTC),
+        error_reasons=held.reasons,
+        merge_version=outcome.version,
+        previous_end=hour.previous_end,
+        source_fields=changes.batch.shape,
+        audit=held.audit,
+        expectations=verdicts,
+        mirror_newest=_from_ms(applied.commit[MIRROR_NEWEST]),
+        withheld_columns=changes.withheld if spec.new_columns == "add" else (),
+    )
+
+
+def record_empty(ctx: HourContext, hour: HourPlan) -> HourResult:
+    """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
+    metadata-only commit, as every run's is, so the next hour starts where it ended."""
+    commit = _record(ctx, hour, consumed=0, tombstones=0, errors=0, newest_ms=None)
+    version = record_run(ctx.spark, ctx.spec, ctx.path, commit, ctx.ledger)
+    return HourResult(
+        table=ctx.spec.name,
+        hour_key=ctx.hour_key,
+        slice=hour.slice,
+        counts=HourCounts(0, 0, 0, 0, 0, 0),
+        rows_inserted=0,
+        rows_updated=0,
+        rows_deleted=0,
+        delta_version=version,
+        partial=not hour.slice.closed,
+        newest_source_ts=None,
+        finished_at=datetime.now(UTC),
+        previous_end=hour.previous_end,
+        audit=ctx.checks.audit_nothing(ctx.spec),
+        expectations=tuple(ctx.checks.validate_nothing(ctx.spec)),
+        mirror_newest=_from_ms(hour.prior_newest),
+    )
+
+
+# --- what the stages hand each other -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HourContext:
+    """One table-hour's run: its resources, table and hour, and the mirror's log as the run
+    found it (`version` None: no mirror yet; `history`: its runs' records, newest first)."""
+
+    spark: SparkSession
+    kafka: KafkaResource
+    lake: LakeResource
+    spec: TableSpec
+    hour_key: str
+    checks: MirrorChecks
+    masking_key: HmacKey | None
+    path: str
+    ledger: DeltaLog | None
+    version: int | None
+    history: list[dict]
+
+    @classmethod
+    def start(
+        cls,
+        spark: SparkSession,
+        kafka: KafkaResource,
+        lake: LakeResource,
+        spec: TableSpec,
+        hour_key: str,
+        checks: MirrorChecks,
+        masking_key: HmacKey | None,
+    ) -> HourContext:
+        path = lake.table_path(spec.name)
+        ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
+        version, history = hour_history(spark, path, ledger)
+        return cls(
+            spark, kafka, lake, spec, hour_key, checks, masking_key, path, ledger, version, history
+        )
+
+    def running(self, name: str, default: Any) -> Any:
+        """A running record the newest run carried in its commit (`_record`)."""
+        return self.history[0].get(name, default) if self.history else default
+
+
+@dataclass(frozen=True)
+class HourPlan:
+    """The hour's slice, the previous hour's recorded end, the mirror's newest source time as
+    recorded (ms), whether the slice is read in this process, and the run's ingestion time."""
+
+    slice: HourSlice
+    previous_end: dict[int, int] | None
+    prior_newest: int | None
+    local: bool
+    ingested_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+@dataclass(frozen=True)
+class DecodedHour:
+    """The decoded hour (`DecodedSlice`), the spec of the mirror it goes into, the mirror's
+    stored schema, and what the hour told of the source's columns: the new ones withheld, the
+    defaults its schemas declare (`connector_defaults`), the defaults it was decoded with."""
+
+    batch: DecodedSlice
+    spec: TableSpec
+    stored_schema: T.StructType | None
+    withheld: tuple[str, ...]
+    connector_defaults: dict[str, Any]
+    defaults: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the MERGE did, the version that recorded the run (the moved rows' commit when there
+    was one), the hour's newest change per key, its distinct keys, the changes older than a
+    truncate, and the run's record."""
+
+    spec: TableSpec
+    outcome: MergeOutcome
+    version: int | None
+    latest: DataFrame
+    distinct_keys: int
+    older_than_truncate: int
+    commit: dict
+
+
+class _Frames:
+    """The frames a run caches (a slice Spark read) or just derives (a slice read here: a local
+    relation, cheap to compute again and deterministic, so nothing is cached and the MERGE
+    takes it as it is); released when the run's stages are done."""
+
+    def __init__(self, local: bool) -> None:
+        self.local, self.frames = local, []
+
+    def keep(self, frame: DataFrame) -> DataFrame:
+        frame = frame if self.local else frame.persist(_CACHED)
+        return self.track(frame)
+
+    def track(self, frame: DataFrame) -> DataFrame:
+        self.frames.append(frame)
+        return frame
+
+    def __enter__(self) -> _Frames:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for frame in self.frames:
+            frame.unpersist()
 
 
 @dataclass(frozen=True)
@@ -90,6 +464,34 @@ class HourCounts:
     # Counted by Kafka's own consumers when the reader got fewer records than the slice has
     # offsets (transaction markers, aborted records, compaction); None when it got them all.
     census: OffsetCensus | None = None
+
+    @classmethod
+    def counted(
+        cls,
+        consumed: int,
+        tally: Tally,
+        errors: int,
+        outcome: MergeOutcome,
+        distinct_keys: int,
+        older_than_truncate: int,
+        census: OffsetCensus | None,
+    ) -> HourCounts:
+        """The figures of a run, each from where it was counted: `consumed` by the reader, the
+        tally by the decoder, `errors` by the decoder and the audit, the MERGE's by Delta
+        (operationMetrics). Truncate records count as applied, changes older than a truncate
+        as stale; the audit's held-back changes are errors, not changes."""
+        changes = tally.changes - (errors - tally.errors)
+        return cls(
+            consumed=consumed,
+            applied=outcome.applied + tally.truncates,
+            superseded=changes - older_than_truncate - distinct_keys,
+            stale=outcome.merged_keys - outcome.applied + older_than_truncate,
+            tombstones=tally.tombstones,
+            errors=errors,
+            distinct_keys=distinct_keys,
+            merge_source_rows=outcome.merged_keys,
+            census=census,
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +554,7 @@ def known_starts(
 
 
 MIRROR_NEWEST = "mirror_newest_ms"
+
 # Marks the commit that fills moved rows' TOASTed values, after the run's MERGE (`toast`).
 MOVED_ROWS = "moved_rows"
 
@@ -212,73 +615,6 @@ def _fail_on_sequence_mismatch(spec: TableSpec, hour_key: str, reasons: dict, ta
         )
 
 
-def run_hour(
-    *,
-    spark: SparkSession,
-    kafka: KafkaResource,
-    lake: LakeResource,
-    spec: TableSpec,
-    hour_key: str,
-    checks: MirrorChecks,
-    now: datetime | None = None,
-    force_open_hour: bool = False,
-    masking_key: HmacKey | None = None,
-    local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
-) -> HourResult:
-    """Materializes one hour of `spec` into its Delta mirror and returns what happened.
-
-    `checks` audits the hour's changes before the MERGE (the hard expectations' failures go to
-    the error table) and validates the newest change per key after it (`cdc_assets.checking`).
-
-    A slice of at most `local_read_max_records` records is read and decoded in this process
-    (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
-    one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
-    same decoder, so they give the same rows.
-    """
-    now = now or datetime.now(UTC)
-    lake.connect(spark)
-    path = lake.table_path(spec.name)
-    with _storage_failures_named(spec, hour_key, path):
-        ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
-        last_version, history = hour_history(spark, path, ledger)
-        previous_end = recorded_offsets(history, previous_key(hour_key), "end")
-        starts = known_starts(history, hour_key, previous_end)
-        hour_slice = _slice(kafka, spec, hour_key, now, starts, previous_end is not None)
-        _refuse_open_or_lost(spec, hour_key, hour_slice, force_open_hour)
-
-        prior_newest = recorded_mirror_newest(spark, path, history, last_version)
-        if hour_slice.size == 0 and last_version is not None:
-            return _empty_hour(
-                spark,
-                spec,
-                path,
-                ledger,
-                hour_key,
-                hour_slice,
-                previous_end,
-                prior_newest,
-                history[0].get(COLUMN_DEFAULTS, {}) if history else {},
-                checks,
-            )
-        local = hour_slice.size <= local_read_max_records
-        with sized_shuffles(spark, hour_slice.size, adaptive=not local):
-            return _apply_hour(
-                spark=spark,
-                kafka=kafka,
-                lake=lake,
-                spec=spec,
-                hour_key=hour_key,
-                hour_slice=hour_slice,
-                ledger=ledger,
-                history=history,
-                previous_end=previous_end,
-                prior_newest=prior_newest,
-                masking_key=masking_key,
-                local=local,
-                checks=checks,
-            )
-
-
 @contextmanager
 def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterator[None]:
     """A read or write the lake's storage refused (disk full, S3 throttling) fails the run with
@@ -301,6 +637,7 @@ def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterat
 # An hour's shuffle width: one partition per this many records read (at least 1, at most the
 # session's setting), so a small hour's MERGE runs a task per stage, not dozens.
 RECORDS_PER_SHUFFLE_PARTITION = 100_000
+
 ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
@@ -323,187 +660,6 @@ def sized_shuffles(spark: SparkSession, records: int, *, adaptive: bool = True) 
         yield
 
 
-def _apply_hour(
-    *,
-    spark: SparkSession,
-    kafka: KafkaResource,
-    lake: LakeResource,
-    spec: TableSpec,
-    hour_key: str,
-    hour_slice: HourSlice,
-    ledger,
-    history: list[dict],
-    previous_end: dict[int, int] | None,
-    prior_newest: int | None,
-    masking_key: HmacKey | None,
-    local: bool,
-    checks: MirrorChecks,
-) -> HourResult:
-    """Reads, decodes, audits and MERGEs a non-empty (or first) hour; see `run_hour`."""
-    path = lake.table_path(spec.name)
-    stored_schema = mirror_schema(spark, path)
-    check_stored_mirror(stored_schema, path, spec)  # no raw sensitive values beside masked ones
-    ingested_at = datetime.now(UTC)
-    records = _read(spark, kafka, hour_slice, local)
-    known = history[0].get(COLUMN_DEFAULTS, {}) if history else {}
-    seen_before = set(history[0].get(SOURCE_COLUMNS, ())) if history else set()
-    batch, added, withheld, connector, defaults = _decode_with_new_columns(
-        spark, records, spec, hour_key, added_columns(stored_schema, spec), masking_key, known
-    )
-    # A slice read here is a local relation: every frame derived from it is cheap to compute
-    # again and deterministic, so nothing is cached and the MERGE takes it as it is. A slice
-    # Spark read is cached once decoded, and the MERGE materializes its source (Delta's auto).
-    keep = (lambda frame: frame) if local else (lambda frame: frame.persist(_CACHED))
-    # From here on `spec` describes the mirror: hashed columns are strings, dropped ones gone,
-    # added ones there.
-    stored = stored_spec(spec)
-    spec = stored.model_copy(update={"columns": {**stored.columns, **added}})
-    tally, frames = batch.tally, [batch.frame]
-    try:
-        held = _hold_back(spark, spec, batch, checks, keep)
-        decoded = held.decoded
-        if decoded is not batch.frame:
-            frames.append(decoded)
-        if tally.truncates and spec.on_truncate == "fail":
-            _fail_on_truncate(spec, hour_key, tally)
-        hour_truncate = tally.truncate_sequence if tally.truncates else None
-        good, older_than_truncate = _after_truncates(decoded, history, hour_truncate)
-        # The hour's keys counted on the batch, apart from the newest-change-per-key step
-        # (the MERGE's source) that Delta counts: the accounting compares the two.
-        distinct_keys = good.select(*spec.primary_key).distinct().count()
-        if held.errors:
-            _fail_on_sequence_mismatch(spec, hour_key, held.reasons, tally)
-            write_errors(
-                spark,
-                spec,
-                lake.table_path(spec.error_table_name),
-                decoded.where(F.col(ERROR).isNotNull()),
-                hour_key=hour_key,
-                ingested_at=ingested_at,
-            )
-        commit = _run_record(
-            hour_key,
-            hour_slice,
-            consumed=tally.records,
-            tombstones=tally.tombstones,
-            errors=held.errors,
-            mirror_newest=_newer(prior_newest, held.newest_ms),
-            column_defaults=connector,
-        )
-        commit[SOURCE_COLUMNS] = sorted(seen_before | set(batch.shape.fields))
-        if hour_truncate is not None:
-            commit["truncated_before"] = hour_truncate
-        # The newest change per key: the MERGE's source and what the expectations judge.
-        latest = keep(latest_per_key(good, spec))
-        frames.append(latest)
-        if not local:
-            latest.count()  # fills the cache once: the queries below read it twice each
-        with merge_source(spark, materialized=not local):
-            outcome = merge_changes(
-                spark,
-                spec,
-                path,
-                latest,
-                ingested_at=ingested_at,
-                run_metadata=commit,
-                truncate_before=(
-                    None
-                    if hour_truncate is None
-                    else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
-                ),
-                key_range=key_range(spec, tally),
-                ledger=ledger,
-                defaults=fillable_defaults(spec, defaults, stored_schema, seen_before),
-            )
-        version = outcome.recorded_version
-        # Unchanged TOASTed values of rows that moved (primary-key updates), from their old keys:
-        # a commit of its own that carries the run's record, marked. A crash before it is
-        # repaired by the next run of any hour, which resolves every move still open.
-        with commit_metadata(spark, {**commit, MOVED_ROWS: True}):
-            if toast.resolve_moves(spark, spec, path):
-                version = current_version(spark, path, ledger)
-        expectations = checks.validate(
-            spark,
-            spec,
-            path,
-            version,
-            latest.where(~F.col(DELETED)),
-            keys=KeyCounts(keys=outcome.prior.source_rows, duplicates=outcome.duplicate_rows),
-        )
-    finally:
-        for frame in frames:
-            frame.unpersist()
-
-    # Counted where each happened (HourCounts): the records by the reader (Spark's read: by the
-    # decoder, which takes every row it gives), superseded on the batch, applied and stale by
-    # Delta (operationMetrics); truncate records count as applied, changes older than a truncate
-    # as stale.
-    changes = tally.changes - (held.errors - tally.errors)  # the audit's held-back are errors
-    consumed = records.num_rows if local else tally.records
-    census = (
-        offset_census(kafka, hour_slice, None if local else spark)
-        if consumed < hour_slice.size
-        else None
-    )
-    return HourResult(
-        table=spec.name,
-        hour_key=hour_key,
-        slice=hour_slice,
-        counts=HourCounts(
-            consumed=consumed,
-            applied=outcome.applied + tally.truncates,
-            superseded=changes - older_than_truncate - distinct_keys,
-            stale=outcome.merged_keys - outcome.applied + older_than_truncate,
-            tombstones=tally.tombstones,
-            errors=held.errors,
-            distinct_keys=distinct_keys,
-            merge_source_rows=outcome.merged_keys,
-            census=census,
-        ),
-        rows_inserted=outcome.rows_inserted,
-        rows_updated=outcome.rows_updated,
-        rows_deleted=outcome.rows_deleted,
-        delta_version=version,
-        partial=not hour_slice.closed,
-        newest_source_ts=_from_ms(held.newest_ms),
-        finished_at=datetime.now(UTC),
-        error_reasons=held.reasons,
-        merge_version=outcome.version,
-        previous_end=previous_end,
-        source_fields=batch.shape,
-        audit=held.audit,
-        expectations=tuple(expectations),
-        mirror_newest=_from_ms(commit[MIRROR_NEWEST]),
-        withheld_columns=withheld if spec.new_columns == "add" else (),
-    )
-
-
-def _run_record(
-    hour_key: str,
-    hour_slice: HourSlice,
-    *,
-    consumed: int,
-    tombstones: int,
-    errors: int,
-    mirror_newest: int | None,
-    column_defaults: dict[str, Any],
-) -> dict:
-    """What every run's commit records (the ledger, `cdc_assets.commits`): its hour, slice and
-    counts, the mirror's newest source time (ms) as a running maximum, and the column defaults
-    the connector's schemas declared so far (`column_defaults`)."""
-    return {
-        "hour": hour_key,
-        "slice": hour_slice.as_dict(),
-        "partial": not hour_slice.closed,
-        "consumed": consumed,
-        "tombstones": tombstones,
-        "errors": errors,
-        "pipeline": "cdc-lake",
-        MIRROR_NEWEST: mirror_newest,
-        **({COLUMN_DEFAULTS: column_defaults} if column_defaults else {}),
-    }
-
-
 def _after_truncates(
     decoded: DataFrame, history: list[dict], hour_truncate: list | None
 ) -> tuple[DataFrame, int]:
@@ -516,19 +672,6 @@ def _after_truncates(
         return good, 0
     bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
     return good.where(F.col(SEQUENCE) > bound), good.where(F.col(SEQUENCE) < bound).count()
-
-
-def _read(
-    spark: SparkSession, kafka: KafkaResource, hour_slice: HourSlice, local: bool
-) -> DataFrame | pa.RecordBatch:
-    """The slice's records: read in this process when `local`, else by Spark's Kafka source."""
-    if not local:
-        return read_slice(spark, kafka.spark_options(), hour_slice)
-    consumer = kafka.consumer()
-    try:
-        return read_slice_locally(consumer, hour_slice)
-    finally:
-        consumer.close()
 
 
 def _decode_with_new_columns(
@@ -571,6 +714,7 @@ def _decode_with_new_columns(
 
 
 COLUMN_DEFAULTS = "column_defaults"
+
 # The source columns the mirror's runs have seen so far (names), recorded in each run's commit.
 SOURCE_COLUMNS = "source_columns"
 
@@ -711,6 +855,7 @@ def _decode(
 # A cached hour stays in memory as Spark's columnar batches, not serialized again (what
 # MEMORY_AND_DISK adds for a frame), and spills to disk when memory is short.
 _CACHED = StorageLevel.MEMORY_AND_DISK_DESER
+
 _MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 
 
@@ -827,44 +972,61 @@ def _fail_on_truncate(spec: TableSpec, hour_key: str, tally: Tally) -> None:
     )
 
 
-def _empty_hour(
-    spark: SparkSession,
-    spec: TableSpec,
-    path: str,
-    ledger,
-    hour_key: str,
-    hour_slice: HourSlice,
-    previous_end: dict[int, int] | None,
-    prior_newest: int | None,
-    known_defaults: dict[str, Any],
-    checks: MirrorChecks,
-) -> HourResult:
-    """An hour with no record: nothing is read, decoded or merged. Its slice is recorded in a
-    metadata-only commit, as every run's is, so the next hour starts where it ended."""
-    commit = _run_record(
-        hour_key,
-        hour_slice,
-        consumed=0,
-        tombstones=0,
-        errors=0,
-        mirror_newest=prior_newest,
-        column_defaults=known_defaults,
+def _record(
+    ctx: HourContext,
+    hour: HourPlan,
+    *,
+    consumed: int,
+    tombstones: int,
+    errors: int,
+    newest_ms: int | None,
+    shape: SourceShape | None = None,
+    connector_defaults: dict[str, Any] | None = None,
+) -> dict:
+    """What every run's commit records (the ledger, `cdc_assets.commits`): its hour, slice and
+    counts, and the running records the next run reads (`HourContext.running`): the mirror's
+    newest source time (ms), the column defaults the connector's schemas declared so far
+    (`COLUMN_DEFAULTS`) and the source columns the runs have seen (`SOURCE_COLUMNS`)."""
+    record = {
+        "hour": ctx.hour_key,
+        "slice": hour.slice.as_dict(),
+        "partial": not hour.slice.closed,
+        "consumed": consumed,
+        "tombstones": tombstones,
+        "errors": errors,
+        "pipeline": "cdc-lake",
+        MIRROR_NEWEST: _newer(hour.prior_newest, newest_ms),
+    }
+    defaults = connector_defaults
+    if defaults is None:
+        defaults = ctx.running(COLUMN_DEFAULTS, {})
+    if defaults:
+        record[COLUMN_DEFAULTS] = defaults
+    seen = set(ctx.running(SOURCE_COLUMNS, ())) | set(shape.fields if shape else ())
+    if seen:
+        record[SOURCE_COLUMNS] = sorted(seen)
+    return record
+
+
+def _run_record(
+    ctx: HourContext,
+    hour: HourPlan,
+    changes: DecodedHour,
+    held: HeldBack,
+    hour_truncate: list | None,
+) -> dict:
+    """The record of a run that read changes (`_record`), with the hour's truncate if any."""
+    tally = changes.batch.tally
+    record = _record(
+        ctx,
+        hour,
+        consumed=tally.records,
+        tombstones=tally.tombstones,
+        errors=held.errors,
+        newest_ms=held.newest_ms,
+        shape=changes.batch.shape,
+        connector_defaults=changes.connector_defaults,
     )
-    version = record_run(spark, spec, path, commit, ledger)
-    return HourResult(
-        table=spec.name,
-        hour_key=hour_key,
-        slice=hour_slice,
-        counts=HourCounts(0, 0, 0, 0, 0, 0),
-        rows_inserted=0,
-        rows_updated=0,
-        rows_deleted=0,
-        delta_version=version,
-        partial=not hour_slice.closed,
-        newest_source_ts=None,
-        finished_at=datetime.now(UTC),
-        previous_end=previous_end,
-        audit=checks.audit_nothing(spec),
-        expectations=tuple(checks.validate_nothing(spec)),
-        mirror_newest=_from_ms(prior_newest),
-    )
+    if hour_truncate is not None:
+        record["truncated_before"] = hour_truncate
+    return record
