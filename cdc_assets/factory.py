@@ -26,6 +26,7 @@ from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
+from cdc_assets.partitions import hourly_partitions, mirrors_pool, table_pool
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
 from resources.lake import LakeConfigError, LakeResource
@@ -54,17 +55,6 @@ NOT_RETRIED: tuple[type[Exception], ...] = (
     LakeConfigError,
     MirrorSettingError,
 )
-
-
-def table_pool(spec: TableSpec) -> str:
-    """One pool per table: at most one run merges into a Delta table at a time."""
-    return f"cdc_table_{spec.name}"
-
-
-def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:
-    # end_offset=1: the current, still open hour exists as a partition so that a person can
-    # force it (force_open_hour); run without forcing, it is refused with the reason.
-    return dg.HourlyPartitionsDefinition(start_date=spec.start_hour, timezone="UTC", end_offset=1)
 
 
 def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.MetadataValue]:
@@ -316,15 +306,6 @@ def hour_summary(spec: TableSpec, result: HourResult) -> str:
 
 def partial_warning(spec: TableSpec, result: HourResult) -> str:
     return f"{spec.name} {result.hour_key} was forced while open: the result is partial."
-
-
-MIRRORS_POOL = "cdc_mirrors"
-
-
-def mirrors_pool() -> str:
-    """The pool of every run that writes mirrors (limit 1): one writer per table, since each
-    table's hours, and its maintenance, run only in runs holding this pool."""
-    return MIRRORS_POOL
 
 
 def build_mirror_assets(

@@ -65,7 +65,7 @@ from pydantic import Field
 from pyspark.sql import Row, SparkSession
 
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import mirrors_pool
+from cdc_assets.partitions import mirrors_pool
 from resources.lake import LakeResource
 from resources.spark import SparkResource, session_settings
 

@@ -36,8 +36,8 @@ from cdc_assets.config import (
     TableSpec,
     load_tables,
 )
-from cdc_assets.factory import hourly_partitions
 from cdc_assets.hours import hour_key, parse_hour_key
+from cdc_assets.partitions import hourly_partitions
 from checks.invariants import RETENTION_RISK
 from checks.table_checks import run_check_specs
 

@@ -40,10 +40,10 @@ from cdc_assets.factory import (
     HourRunConfig,
     asset_description,
     hour_failure,
-    hourly_partitions,
     mirror_asset,
     report_hours,
 )
+from cdc_assets.partitions import hourly_partitions
 from checks.table_checks import run_check_specs
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource

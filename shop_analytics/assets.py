@@ -37,7 +37,7 @@ from pyspark.sql import types as T
 from cdc_assets.commits import change_feed, commit_metadata, hour_history
 from cdc_assets.config import TableSpec, spark_type
 from cdc_assets.decode import DELETED
-from cdc_assets.factory import hourly_partitions
+from cdc_assets.partitions import hourly_partitions
 from resources.lake import LakeResource
 from resources.spark import SparkResource
 

@@ -26,9 +26,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_assets.factory import build_mirror_assets, hourly_partitions
+from cdc_assets.factory import build_mirror_assets
 from cdc_assets.hour_run import run_hour
 from cdc_assets.hours import hour_start
+from cdc_assets.partitions import hourly_partitions
 from cdc_assets.slicing import compute_slice
 from checks.table_checks import MIRROR_CHECKS, run_check_specs
 from demo.reference import replay, replay_with_errors

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from cdc_assets.config import ExpectationSpec, RetentionPolicy, TableSpec, load_tables
-from cdc_assets.factory import build_table_asset, hourly_partitions
+from cdc_assets.factory import build_table_asset
+from cdc_assets.partitions import hourly_partitions
 from checks.invariants import RETENTION_RISK
 from checks.report import (
     FAILED_ERROR,

@@ -47,7 +47,7 @@ import yaml
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import MIRRORS_POOL
+from cdc_assets.partitions import MIRRORS_POOL
 from resources.lake import LakeResource
 from sensors.cursor import Cursor, FleetCursor
 from sensors.hours import hour_key

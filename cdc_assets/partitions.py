@@ -1,0 +1,33 @@
+"""A mirror's partitions and pools: what the asset, its checks, maintenance and the downstream
+assets share, so none of them reaches into the asset factory for it.
+
+Each table is partitioned by UTC hour from its `start_hour`. The runs that write mirrors hold
+one pool (`cdc_mirrors`, limit 1 in the instance): one writer per table, since each table's
+hours and its maintenance run only in runs holding it. The EMR Pipes path holds a pool per
+table (`table_pool`) instead.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from cdc_assets.config import TableSpec
+
+MIRRORS_POOL = "cdc_mirrors"
+
+
+def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:
+    # end_offset=1: the current, still open hour exists as a partition so that a person can
+    # force it (force_open_hour); run without forcing, it is refused with the reason.
+    return dg.HourlyPartitionsDefinition(start_date=spec.start_hour, timezone="UTC", end_offset=1)
+
+
+def mirrors_pool() -> str:
+    """The pool of every run that writes mirrors (limit 1): one writer per table, since each
+    table's hours, and its maintenance, run only in runs holding this pool."""
+    return MIRRORS_POOL
+
+
+def table_pool(spec: TableSpec) -> str:
+    """One pool per table: at most one run merges into a Delta table at a time."""
+    return f"cdc_table_{spec.name}"
