@@ -373,22 +373,27 @@ def _merge_once(
             return MergeOutcome(
                 None, prior.source_rows, 0, 0, 0, 0, prior=prior, recorded_version=recorded
             )
-    # This run's commit, not one another writer made since (both carry the same metadata only
-    # when they run the same hour, and then the later one commits nothing but the ledger).
+    return _outcome(*_merge_commit(table, run_metadata, ledger), prior)
+
+
+def _merge_commit(
+    table: DeltaTable, run_metadata: dict, ledger: DeltaLog | None
+) -> tuple[int, Mapping[str, str]]:
+    """The version and operation metrics of this run's MERGE commit, not one another writer
+    made since (both carry the same metadata only when they run the same hour, and then the
+    later one commits nothing but the ledger)."""
     if ledger is not None:  # read from the log's files, no Spark job
         mine = ledger.run_commit(run_metadata, "MERGE")
-        version, operation_metrics = mine.version, mine.metrics
-    else:
-        commit = (
-            table.history(20)
-            .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
-            .where(F.col("operation") == "MERGE")
-            .orderBy(F.col("version").desc())
-            .select("version", "operationMetrics")
-            .first()
-        )
-        version, operation_metrics = commit["version"], dict(commit["operationMetrics"])
-    return _outcome(version, operation_metrics, prior)
+        return mine.version, mine.metrics
+    commit = (
+        table.history(20)
+        .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
+        .where(F.col("operation") == "MERGE")
+        .orderBy(F.col("version").desc())
+        .select("version", "operationMetrics")
+        .first()
+    )
+    return commit["version"], dict(commit["operationMetrics"])
 
 
 def prior_rows(

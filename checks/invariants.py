@@ -338,12 +338,7 @@ def schema_drift_result(
             "longer sent)"
         )
     problems += [reason for reasons in changed.values() for reason in reasons]
-    undeclared_defaults = sorted(
-        column
-        for column in shape.source_defaults()
-        if column in spec.columns
-        and column not in {*spec.defaults, *spec.sensitive, *spec.primary_key}
-    )
+    undeclared_defaults = _undeclared_defaults(shape, spec)
     if undeclared_defaults:
         problems.append(
             f"the source's schema gives {', '.join(undeclared_defaults)} a default that the tables "
@@ -363,6 +358,16 @@ def schema_drift_result(
             "withheld_columns": ", ".join(result.withheld_columns),
             "undeclared_defaults": ", ".join(undeclared_defaults),
         },
+    )
+
+
+def _undeclared_defaults(shape, spec: TableSpec) -> list[str]:
+    """Declared columns whose default the source's schema shows and the tables file lacks."""
+    return sorted(
+        column
+        for column in shape.source_defaults()
+        if column in spec.columns
+        and column not in {*spec.defaults, *spec.sensitive, *spec.primary_key}
     )
 
 
