@@ -1,6 +1,7 @@
 """One table-hour, as stages: plan → read → decode → audit → apply → validate → account.
 
     hour = plan(ctx, ...)            # the hour's slice of the topic, or why it can't run yet
+    stored = stored_mirror(ctx)      # the mirror's schema; refused if it holds raw masked values
     records = read(ctx, hour)        # in this process for a small slice, by Spark for a large
     changes = decode_hour(ctx, ...)  # typed change rows, bad records marked as errors
     held = audit(ctx, changes, ...)  # the hard expectations hold failing changes back
@@ -110,8 +111,9 @@ def run_hour(
             sized_shuffles(spark, hour.slice.size, adaptive=not hour.local),
             _Frames(hour.local) as frames,
         ):
+            stored_schema = stored_mirror(ctx)
             records = read(ctx, hour)
-            changes = decode_hour(ctx, hour, records, frames)
+            changes = decode_hour(ctx, stored_schema, records, frames)
             held = audit(ctx, changes, frames)
             applied = apply(ctx, hour, changes, held, frames)
             verdicts = validate(ctx, applied)
@@ -138,6 +140,14 @@ def plan(
     )
 
 
+def stored_mirror(ctx: HourContext) -> T.StructType | None:
+    """The mirror's schema as stored (None before its first run), refused before anything is
+    read when it holds raw values of a column the table now masks (`check_stored_mirror`)."""
+    stored_schema = mirror_schema(ctx.spark, ctx.path)
+    check_stored_mirror(stored_schema, ctx.path, ctx.spec)
+    return stored_schema
+
+
 def read(ctx: HourContext, hour: HourPlan) -> DataFrame | pa.RecordBatch:
     """The slice's records: read in this process when small, else by Spark's Kafka source."""
     if not hour.local:
@@ -150,12 +160,13 @@ def read(ctx: HourContext, hour: HourPlan) -> DataFrame | pa.RecordBatch:
 
 
 def decode_hour(
-    ctx: HourContext, hour: HourPlan, records: DataFrame | pa.RecordBatch, frames: _Frames
+    ctx: HourContext,
+    stored_schema: T.StructType | None,
+    records: DataFrame | pa.RecordBatch,
+    frames: _Frames,
 ) -> DecodedHour:
     """The hour's records decoded and masked, against the mirror as it is stored: the columns
     it gained undeclared, and those the hour brings (`_decode_with_new_columns`)."""
-    stored_schema = mirror_schema(ctx.spark, ctx.path)
-    check_stored_mirror(stored_schema, ctx.path, ctx.spec)  # no raw values beside masked ones
     batch, added, withheld, connector, defaults = _decode_with_new_columns(
         ctx.spark,
         records,
@@ -182,8 +193,6 @@ def decode_hour(
 def audit(ctx: HourContext, changes: DecodedHour, frames: _Frames) -> HeldBack:
     """The hard expectations: changes that fail one are held back, into the error table."""
     held = _hold_back(ctx.spark, changes.spec, changes.batch, ctx.checks, frames.keep)
-    if held.decoded is not changes.batch.frame:
-        frames.track(held.decoded)
     tally = changes.batch.tally
     if tally.truncates and changes.spec.on_truncate == "fail":
         _fail_on_truncate(changes.spec, ctx.hour_key, tally)

@@ -4,14 +4,23 @@ it is filled by the next run, with the default the column's mark names. Real Spa
 
 from __future__ import annotations
 
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 
 from delta.tables import DeltaTable
 from pyspark.sql.types import LongType, StructField, StructType
 
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import column_defaults, fillable_defaults
+from cdc_assets.hour_run import (
+    COLUMN_DEFAULTS,
+    SOURCE_COLUMNS,
+    HourContext,
+    HourPlan,
+    _record,
+    column_defaults,
+    fillable_defaults,
+)
 from cdc_assets.merge import FILLING_DEFAULT, fill_defaults
+from cdc_assets.slicing import HourSlice
 
 SPEC = TableSpec.model_validate(
     {
@@ -73,3 +82,24 @@ def test_only_undeclared_columns_take_the_connectors_default_and_only_unseen_one
     stored = StructType([StructField("id", LongType())])
     fillable = fillable_defaults(SPEC, {"grade": "B", "memo": "none"}, stored, {"memo"})
     assert fillable == {"grade": "B"}
+
+
+def test_every_runs_record_carries_the_running_records_an_empty_hour_too():
+    """The next run reads the column defaults and the source columns seen so far from the
+    newest commit alone: an empty hour's commit must carry them on, or the hour after it
+    would forget a column earlier hours saw (and fill rows whose values were never stored)."""
+    start = datetime(2026, 11, 3, 9, tzinfo=UTC)
+    hour = HourPlan(
+        slice=HourSlice("t", start, start + timedelta(hours=1), (), True, None),
+        previous_end=None,
+        prior_newest=5,
+        local=True,
+    )
+    newest = {"hour": "x", COLUMN_DEFAULTS: {"memo": "none"}, SOURCE_COLUMNS: ["id", "memo"]}
+    ctx = HourContext(
+        *([None] * 4), "2026-11-03-09:00", None, None, "/lake/t", None, 3, [newest]
+    )  # only the hour and the history matter here
+    empty = _record(ctx, hour, consumed=0, tombstones=0, errors=0, newest_ms=None)
+    assert empty[COLUMN_DEFAULTS] == {"memo": "none"}
+    assert empty[SOURCE_COLUMNS] == ["id", "memo"]
+    assert empty["mirror_newest_ms"] == 5
