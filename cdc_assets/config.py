@@ -259,6 +259,15 @@ class CheckPolicy(BaseModel):
     severity: Severity = "WARN"
     blocking: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_alone_does_not_block(cls, data: Any) -> Any:
+        # A WARN failure never blocks: `severity: WARN` alone means not blocking, whatever the
+        # check's default (error_rate blocks by default).
+        if isinstance(data, dict) and data.get("severity") == "WARN" and "blocking" not in data:
+            return {**data, "blocking": False}
+        return data
+
     @model_validator(mode="after")
     def _blocking_needs_error(self) -> CheckPolicy:
         if self.blocking and self.severity == "WARN":
@@ -273,15 +282,6 @@ class ErrorRatePolicy(CheckPolicy):
 
     severity: Severity = "ERROR"
     blocking: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _warn_alone_does_not_block(cls, data: Any) -> Any:
-        # `severity: WARN` alone (the setting before this check blocked) means not blocking.
-        if isinstance(data, dict) and data.get("severity") == "WARN" and "blocking" not in data:
-            return {**data, "blocking": False}
-        return data
-
     max_share: float = Field(
         default=0.01,
         ge=0.0,

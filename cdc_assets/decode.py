@@ -44,7 +44,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import date
 from decimal import Decimal
 from typing import Any
 
@@ -54,7 +54,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import encodings as enc
-from cdc_assets.config import TableSpec
+from cdc_assets.config import TableSpec, default_json
 from cdc_assets.tally import KeyRange, Tally
 
 OPS = ("c", "r", "u", "d", "t")
@@ -160,7 +160,7 @@ class DecodePlan:
             max_record_bytes=spec.max_record_bytes,
             hour_key=hour_key,
             keep_raw=any(e.hard for e in spec.expectations),
-            defaults=_column_defaults(
+            defaults=_defaults_by_column(
                 spec.column_defaults() if defaults is None else defaults, columns
             ),
         )
@@ -219,9 +219,10 @@ class DecodePlan:
         return T.StructType(fields)
 
 
-def _column_defaults(
+def _defaults_by_column(
     typed: Mapping[str, Any], columns: tuple[tuple[str, str], ...]
 ) -> tuple[Any, ...]:
+    """`DecodePlan.defaults`: each plan column's default, in the plan's order; () when none."""
     return tuple(typed.get(name) for name, _ in columns) if typed else ()
 
 
@@ -391,27 +392,17 @@ def schema_default(
         converter = enc.converter(name, declared, encoding, from_schema=True)
     else:
         declared, converter = column
+    if declared in ("time", "binary"):
+        return None
     try:
-        value = _convert(converter, raw)
+        value = enc.calendar_value(declared, _convert(converter, raw))
     except _Bad:
         return None
-    try:
-        if declared == "date" and type(value) is int:
-            value = (_EPOCH.date() + timedelta(days=value)).isoformat()
-        elif declared == "timestamp" and type(value) is int:
-            if value == 0:
-                return None
-            value = (_EPOCH + timedelta(microseconds=value)).isoformat()
-    except OverflowError:
+    if declared == "timestamp" and value == enc.EPOCH:
         return None
-    if isinstance(value, Decimal):
-        value = str(value)
-    elif declared in ("time", "binary") or not isinstance(value, str | int | float | bool):
+    if not isinstance(value, str | int | float | bool | Decimal | date):
         return None
-    return json.dumps(value)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+    return default_json(value)
 
 
 def absent_at_the_time(

@@ -85,6 +85,7 @@ _MIN_MICROS, _MAX_MICROS = -62_135_596_800_000_000, 253_402_300_799_999_999
 _MIN_DAY, _MAX_DAY = -719_162, 2_932_896
 _DAY_MICROS = 86_400_000_000
 _EPOCH_DATE = dt.date(1970, 1, 1)
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 # Decimal arithmetic that never rounds: a result needing more digits raises instead.
 _EXACT = Context(prec=200, Emax=999_999, Emin=-999_999, traps=[InvalidOperation, Inexact])
@@ -713,6 +714,18 @@ def _decimal_any(column: str, encoding: Encoding) -> Converter:
 
 def _plain(number: Decimal) -> str:
     return format(number, "f")
+
+
+def calendar_value(declared: str, value: Any) -> Any:
+    """A decoded value as Python holds it outside Arrow: a date column's days since the epoch
+    as a date, a timestamp column's microseconds as a UTC datetime; any other value as it is."""
+    if type(value) is not int:
+        return value
+    if declared == "date":
+        return _EPOCH_DATE + dt.timedelta(days=value)
+    if declared == "timestamp":
+        return EPOCH + dt.timedelta(microseconds=value)
+    return value
 
 
 def _date_text(days: int) -> str:

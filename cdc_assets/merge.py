@@ -148,7 +148,8 @@ def ensure_mirror_table(
             f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
             f"('{CHANGE_DATA_FEED}' = '{str(feed).lower()}')"
         )
-    stored = {f.name.lower() for f in table.toDF().schema}
+    stored_schema = table.toDF().schema
+    stored = {f.name.lower() for f in stored_schema}
     missing = [
         f"`{name}` {schema[name].dataType.simpleString()}"
         for name in toast.mirror_columns(spec)
@@ -157,7 +158,12 @@ def ensure_mirror_table(
     if missing:
         spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
     filled = fill_defaults(
-        spark, path, spec, schema, spec.column_defaults() if defaults is None else defaults
+        spark,
+        path,
+        spec,
+        schema,
+        spec.column_defaults() if defaults is None else defaults,
+        stored_schema,
     )
     # A DeltaTable made before its schema changed refuses to MERGE: make it again.
     return DeltaTable.forPath(spark, path) if missing or filled else table
@@ -174,6 +180,7 @@ def fill_defaults(
     spec: TableSpec,
     schema: T.StructType,
     defaults: Mapping[str, Any],
+    stored: T.StructType,
 ) -> bool:
     """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
     the mirror gains while it holds rows: the rows from before it show the default, as the
@@ -185,11 +192,11 @@ def fill_defaults(
     default in the comment `FILLING_DEFAULT`, every row takes that default, the comment is
     replaced by a note. Any run that finds such a comment (a crash came between) fills the
     rows with the default it names before its MERGE, whatever defaults the run knows, so no
-    MERGE writes the column before its fill. Returns whether it changed the table's schema.
+    MERGE writes the column before its fill. `stored` is the mirror's schema as the run found
+    it (`ensure_mirror_table` has it already). Returns whether it changed the table's schema.
     """
     defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
     quoted = path.replace("`", "``")
-    stored = DeltaTable.forPath(spark, path).toDF().schema
     names = {f.name.lower() for f in stored}
     new = [c for c in defaults if c.lower() not in names]
     pending = [f for f in stored if str(f.metadata.get("comment", "")).startswith(FILLING_DEFAULT)]
