@@ -38,6 +38,10 @@ def _comments(spark, path: str) -> dict[str, str | None]:
     return {f.name: f.metadata.get("comment") for f in schema}
 
 
+def _stored(spark, path: str) -> StructType:
+    return DeltaTable.forPath(spark, path).toDF().schema
+
+
 def _grades(spark, path: str) -> list:
     return [r["grade"] for r in spark.read.format("delta").load(path).orderBy("id").collect()]
 
@@ -48,7 +52,7 @@ def test_rows_from_before_a_column_take_its_default_even_after_a_crash(spark, tm
     source = spark.createDataFrame([], "id bigint, grade string").schema
 
     quoting = {"grade": "O'Brien \\ B"}  # SQL's quote and escape characters, kept as they are
-    assert fill_defaults(spark, path, SPEC, source, quoting)
+    assert fill_defaults(spark, path, SPEC, source, quoting, _stored(spark, path))
     assert _grades(spark, path) == [quoting["grade"]] * 2
     assert not _comments(spark, path)["grade"].startswith(FILLING_DEFAULT)
 
@@ -58,12 +62,14 @@ def test_rows_from_before_a_column_take_its_default_even_after_a_crash(spark, tm
     spark.createDataFrame([(1,)], "id bigint").write.format("delta").save(crashed)
     mark = f'{FILLING_DEFAULT}"B"'
     spark.sql(f"ALTER TABLE delta.`{crashed}` ADD COLUMNS (grade string COMMENT '{mark}')")
-    assert fill_defaults(spark, crashed, SPEC, source, {})
+    assert fill_defaults(spark, crashed, SPEC, source, {}, _stored(spark, crashed))
     assert _grades(spark, crashed) == ["B"]
 
     # Once filled, a later run leaves the column alone (its nulls may be real ones).
     spark.sql(f"UPDATE delta.`{crashed}` SET grade = NULL")
-    assert not fill_defaults(spark, crashed, SPEC, source, SPEC.column_defaults())
+    assert not fill_defaults(
+        spark, crashed, SPEC, source, SPEC.column_defaults(), _stored(spark, crashed)
+    )
     assert _grades(spark, crashed) == [None]
 
 
