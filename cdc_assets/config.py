@@ -2,13 +2,15 @@
 
 Adding a table is one entry in `tables.yaml` (or the file named by `CDC_TABLES_FILE` when the
 Definitions are built); no code changes. Every entry is validated when the file is loaded and
-each problem is reported with the table's name, the setting and how to fix it.
+each problem is reported with the table's name, the setting and how to fix it. The file's one
+other setting, `shop_analytics`, switches the demo shop's analytics on (`TablesFile`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal, localcontext
 from pathlib import Path
@@ -31,6 +33,9 @@ from cdc_assets.hours import HOUR_KEY_FORMAT, hour_start
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 # The environment variable naming the tables file a deployment loads instead.
 TABLES_FILE_ENV = "CDC_TABLES_FILE"
+# The tables file's switch for the demo shop's analytics (`TablesFile`), and its settings.
+SHOP_ANALYTICS = "shop_analytics"
+TABLES_FILE_SETTINGS = ("tables", SHOP_ANALYTICS)
 
 # Shorthands of earlier configs: a timestamp naming the unit of its epoch values, which is the
 # column's encoding (cdc_assets/encodings.py).
@@ -703,8 +708,48 @@ def parse_tables(raw: dict, *, source: str = "tables config") -> list[TableSpec]
     return specs
 
 
-def load_tables(path: str | Path = DEFAULT_TABLES_FILE) -> list[TableSpec]:
-    """Loads and validates the tables file at `path`."""
+@dataclass(frozen=True)
+class TablesFile:
+    """A validated tables file: its tables, and its file-wide switch.
+
+    `shop_analytics: true` builds the demo shop's analytics (shop_analytics/) over the file's
+    customers, orders and order_items. The demo's file sets it; tables merely named like the
+    shop's never build them.
+    """
+
+    tables: list[TableSpec]
+    shop_analytics: bool = False
+
+
+def parse_tables_file(raw: dict, *, source: str = "tables config") -> TablesFile:
+    """Validates a whole tables file (its settings and every table entry) and raises one
+    `TableConfigError` listing all problems; an unknown top-level setting is one."""
+    problems: list[str] = []
+    switch = False
+    if isinstance(raw, dict):
+        problems += [
+            f"{source}: unknown top-level setting '{key}'; a tables file holds "
+            f"{' and '.join(repr(s) for s in TABLES_FILE_SETTINGS)} (check its spelling)"
+            for key in sorted(set(raw) - set(TABLES_FILE_SETTINGS), key=str)
+        ]
+        switch = raw.get(SHOP_ANALYTICS, False)
+        if not isinstance(switch, bool):
+            problems.append(
+                f"{source}: setting '{SHOP_ANALYTICS}': {switch!r} is not true or false; write "
+                f"{SHOP_ANALYTICS}: true to build the demo shop's analytics over this file's "
+                "customers, orders and order_items, or leave it out"
+            )
+    try:
+        tables = parse_tables(raw, source=source)
+    except TableConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise TableConfigError("\n".join(problems))
+    return TablesFile(tables=tables, shop_analytics=switch)
+
+
+def load_tables_file(path: str | Path = DEFAULT_TABLES_FILE) -> TablesFile:
+    """Loads and validates the tables file at `path`: its tables and its settings."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -714,4 +759,9 @@ def load_tables(path: str | Path = DEFAULT_TABLES_FILE) -> list[TableSpec]:
         ) from None
     except yaml.YAMLError as exc:
         raise TableConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_tables(raw, source=str(path))
+    return parse_tables_file(raw, source=str(path))
+
+
+def load_tables(path: str | Path = DEFAULT_TABLES_FILE) -> list[TableSpec]:
+    """Loads and validates the tables file at `path`; its tables."""
+    return load_tables_file(path).tables

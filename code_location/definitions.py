@@ -1,6 +1,6 @@
 """The code location: the one Definitions object, a mirror and a maintenance asset per
 configured table with its checks, the schedule of the maintenance, the offset sensor, the demo
-shop's analytics (shop_analytics/) when its tables are mirrored, and the resources.
+shop's analytics (shop_analytics/) when the tables file switches them on, and the resources.
 
 The only module that puts every package together: the mirror (cdc_assets) receives its checks
 (checks) here, so no package below imports one above it (tests/test_layers.py)."""
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import dagster as dg
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
+from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables_file
 from cdc_assets.factory import build_mirror_assets
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from checks.table_checks import MIRROR_CHECKS, build_retention_check_for
@@ -49,14 +49,15 @@ def sensor_interval_seconds(environ: Mapping[str, str] = os.environ) -> int:
 def build_definitions(
     specs: list[TableSpec],
     *,
+    shop_analytics: bool = False,
     offset_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
     downstream_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
 ) -> dg.Definitions:
-    """Everything of `specs`; the intervals are how often the offset sensor and the downstream
-    assets' automation sensor may tick (the daemon fault scenarios tick the offset sensor every
-    few seconds)."""
-    # The demo shop's downstream assets, when its three tables are mirrored.
-    downstream = build_downstream_assets(specs)
+    """Everything of `specs`, and the demo shop's analytics when `shop_analytics` (the tables
+    file's switch, `TablesFile`); the intervals are how often the offset sensor and the
+    downstream assets' automation sensor may tick (the daemon fault scenarios tick the offset
+    sensor every few seconds)."""
+    downstream = build_downstream_assets(specs) if shop_analytics else []
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
     maintenance = [build_maintenance_asset(spec) for spec in specs]
     return dg.Definitions(
@@ -109,8 +110,10 @@ def build_definitions(
 def defs() -> dg.Definitions:
     # Read when Dagster loads the code location, never at import time.
     interval = sensor_interval_seconds()
+    tables = load_tables_file(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE))
     return build_definitions(
-        load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)),
+        tables.tables,
+        shop_analytics=tables.shop_analytics,
         offset_sensor_interval_seconds=interval,
         downstream_sensor_interval_seconds=interval,
     )

@@ -35,7 +35,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets.commits import change_feed, commit_metadata, hour_history
-from cdc_assets.config import TableSpec, spark_type
+from cdc_assets.config import SHOP_ANALYTICS, TableConfigError, TableSpec, spark_type
 from cdc_assets.decode import DELETED
 from cdc_assets.partitions import hourly_partitions
 from resources.lake import LakeResource
@@ -78,29 +78,35 @@ DAILY_SALES_CONDITION = (
 
 
 def build_downstream_assets(specs: list[TableSpec]) -> list[dg.AssetsDefinition]:
-    """`[order_facts, daily_sales]` when `specs` hold the shop's three tables, else `[]`.
+    """`[order_facts, daily_sales]` over the shop's three tables in `specs`.
 
-    Raises ValueError when the tables are there but lack a column the facts read.
+    Called only when the tables file says `shop_analytics: true` (`TablesFile`): the analytics
+    are the demo's, so its configuration switches them on, and a deployment whose tables are
+    merely named customers, orders and order_items gets none. Switched on, the shop's tables
+    must be there as the demo declares them: `TableConfigError` otherwise, naming each table
+    and setting and the fix, so the code location fails to load rather than the first run.
     """
     by_name = {spec.name: spec for spec in specs}
-    if not all(name in by_name for name in UPSTREAM):
-        return []
-    problems = [
+    problems = [f"table '{name}' is missing" for name in UPSTREAM if name not in by_name]
+    problems += [
         f"table '{name}' has no column '{column}'"
         for name, columns in REQUIRED_COLUMNS.items()
+        if name in by_name
         for column in columns
         if column not in by_name[name].columns
     ]
     problems += [
-        f"table '{name}' has change_data_feed {str(by_name[name].change_data_feed).lower()}"
-        " (the facts read each hour's changes from its change data feed: set it true)"
+        f"table '{name}' has change_data_feed false (the facts read each hour's changes from"
+        " its change data feed: set it true)"
         for name in UPSTREAM
-        if not by_name[name].change_data_feed
+        if name in by_name and not by_name[name].change_data_feed
     ]
     if problems:
-        raise ValueError(
-            f"{ORDER_FACTS} reads the shop's mirrors, but {'; '.join(problems)}. Fix the "
-            "tables file, or rename the table so the shop analytics are not built."
+        raise TableConfigError(
+            f"the tables file sets {SHOP_ANALYTICS}: true, which builds {ORDER_FACTS} and "
+            f"{DAILY_SALES} over the shop's tables {', '.join(UPSTREAM)}, but "
+            f"{'; '.join(problems)}. Fix the tables file: declare the shop's tables as "
+            f"cdc_assets/tables.yaml does, or remove '{SHOP_ANALYTICS}: true' from it."
         )
     shop = {name: by_name[name] for name in UPSTREAM}
     with warnings.catch_warnings():

@@ -101,7 +101,12 @@ def deployment(broker, pg, s3, spark, tmp_path):
     source, _ = seed_demo(broker, specs, hours=HOURS, changes_per_hour=60, first_hour=first_hour)
 
     tables = tmp_path / "tables.yaml"
-    tables.write_text(yaml.safe_dump({"tables": [s.model_dump(mode="json") for s in specs]}))
+    # The demo's tables with the demo's switch: order_facts and daily_sales are built.
+    tables.write_text(
+        yaml.safe_dump(
+            {"shop_analytics": True, "tables": [s.model_dump(mode="json") for s in specs]}
+        )
+    )
     home = tmp_path / "dagster_home"
     home.mkdir()
     # The production instance file, with two changes: at most 2 runs at once (the test machine

@@ -5,7 +5,13 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from cdc_assets.config import TableConfigError, load_tables, parse_tables
+from cdc_assets.config import (
+    TableConfigError,
+    load_tables,
+    load_tables_file,
+    parse_tables,
+    parse_tables_file,
+)
 from cdc_assets.factory import build_table_asset
 from cdc_assets.masking import stored_spec
 from checks.table_checks import MIRROR_CHECKS
@@ -208,3 +214,27 @@ def test_an_unset_key_variable_is_refused_at_launch(tmp_path, monkeypatch):
 def test_deletion_vectors_are_on_unless_a_table_turns_them_off():
     assert parse_tables({"tables": [_entry()]})[0].deletion_vectors is True
     assert parse_tables({"tables": [_entry(deletion_vectors=False)]})[0].deletion_vectors is False
+
+
+def test_the_shipped_file_switches_the_shop_analytics_on_and_others_are_off_unless_set():
+    assert load_tables_file().shop_analytics is True
+    assert parse_tables_file({"tables": [_entry()]}).shop_analytics is False
+    assert parse_tables_file({"tables": [_entry()], "shop_analytics": True}).shop_analytics
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (
+            {"shop_analytics": "yes"},
+            "setting 'shop_analytics': 'yes' is not true or false; write shop_analytics: true",
+        ),
+        ({"shop_analytic": True}, "unknown top-level setting 'shop_analytic'"),
+    ],
+)
+def test_a_bad_file_setting_is_named_beside_the_tables_problems(settings, expected):
+    with pytest.raises(TableConfigError) as error:
+        parse_tables_file({"tables": [_entry(start_hour="soon")], **settings}, source="t.yaml")
+    lines = str(error.value).splitlines()
+    assert any(line.startswith(f"t.yaml: {expected}") for line in lines)
+    assert any("table 'customers', setting 'start_hour'" in line for line in lines)

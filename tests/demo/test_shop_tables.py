@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cdc_assets.config import load_tables
+from cdc_assets.config import load_tables, load_tables_file
 from demo.shop import demo_first_hour, write_tables_file
 
 HOUR = timedelta(hours=1)
@@ -35,3 +35,5 @@ def test_the_tables_file_is_the_packaged_one_starting_at_the_first_hour(tmp_path
     assert [s.model_copy(update={"start_hour": "x"}) for s in written] == [
         s.model_copy(update={"start_hour": "x"}) for s in packaged
     ]
+    # The demo's analytics come with its tables: the copy keeps the file's switch.
+    assert load_tables_file(path).shop_analytics is True

@@ -18,7 +18,7 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
-from cdc_assets.config import ExpectationSpec
+from cdc_assets.config import ExpectationSpec, TableConfigError
 from cdc_assets.factory import build_mirror_assets, build_table_asset
 from checks.table_checks import MIRROR_CHECKS
 from shop_analytics.assets import (
@@ -325,9 +325,10 @@ def test_facts_follow_the_mirrors_and_wait_for_blocking_checks(
         )
 
 
-def test_only_built_for_the_shop_tables(topic_prefix):
+def test_built_over_the_shop_tables_and_a_missing_one_is_named(topic_prefix):
     specs = demo_specs(topic_prefix)
-    assert build_downstream_assets([s for s in specs if s.name != "customers"]) == []
+    with pytest.raises(TableConfigError, match="table 'customers' is missing.*Fix the tables"):
+        build_downstream_assets([s for s in specs if s.name != "customers"])
     order_facts, daily_sales = build_downstream_assets(specs)
     for asset in (order_facts, daily_sales):
         assert asset.group_names_by_key[asset.key] == "shop_analytics"
