@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,50 @@ def test_the_rule_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         "cdc_assets/hour_run.py:2 imports checks.expectations (cdc_assets is layer 1, "
         "checks is layer 2)"
     ]
+
+
+# --- the wheel holds the product, never the workshop ---------------------------------------------
+
+# Run from the checkout only (scripts/*.sh, the tests, the demo): never in the wheel.
+WORKSHOP = {"demo", "devtools", "benchmarks"}
+
+
+def _wheel_packages(root: Path) -> set[str]:
+    """The top-level packages pyproject.toml puts in the wheel."""
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    return {
+        p.removesuffix("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+
+
+def _imports_outside_the_wheel(root: Path) -> list[str]:
+    """Imports, at import or run time, of a checkout package the wheel lacks, from the wheel's."""
+    product = _wheel_packages(root)
+    outside = {p.parent.name for p in root.glob("*/__init__.py")} - product
+    return [
+        f"{path.relative_to(root)}:{line} imports {module}"
+        for package in sorted(product)
+        for path in sorted((root / package).rglob("*.py"))
+        for line, module in _imports(path)
+        if module.split(".")[0] in outside
+    ]
+
+
+def test_the_wheel_is_the_product_and_imports_nothing_outside_it():
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages - WORKSHOP == _wheel_packages(REPO)
+    assert _imports_outside_the_wheel(REPO) == []
+
+
+def test_an_import_of_the_workshop_is_reported(tmp_path: Path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.packages.find]\ninclude = ["resources*"]\n'
+    )
+    for package in ("resources", "devtools"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "resources" / "jvm.py").write_text("def f():\n    import devtools.processes\n")
+    assert _imports_outside_the_wheel(tmp_path) == ["resources/jvm.py:2 imports devtools.processes"]
 
 
 # --- no module-level import cycle -------------------------------------------------------------
