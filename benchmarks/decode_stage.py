@@ -37,7 +37,8 @@ from benchmarks.run import topic_slice
 from benchmarks.variants import SPARK_MEMORY
 from cdc_assets import hour_run
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import DecodePlan, decoder_input
+from cdc_assets.decoding.plan import DecodePlan
+from cdc_assets.decoding.spark import decoder_input
 from cdc_assets.read import read_slice
 from cdc_assets.slicing import HourSlice, PartitionSlice
 from devtools import kafka_broker

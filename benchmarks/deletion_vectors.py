@@ -47,7 +47,7 @@ def prepare(work: Path, rows: int, changes: int) -> None:
 
     from benchmarks.tables import ROWS_PER_FILE, build, session
     from benchmarks.workload import PRIMARY_KEY
-    from cdc_assets.decode import DELETED, HOUR, KAFKA_OFFSET, KAFKA_PARTITION, OP, SEQUENCE
+    from cdc_assets.columns import DELETED, HOUR, KAFKA_OFFSET, KAFKA_PARTITION, OP, SEQUENCE
     from cdc_assets.merge import ensure_mirror_table
     from cdc_assets.rule import mirror_columns
 
@@ -116,7 +116,7 @@ def merge(work: Path, deletion_vectors: bool) -> dict:
     from pyspark.sql import functions as F
 
     from benchmarks.tables import session
-    from cdc_assets.decode import DELETED
+    from cdc_assets.columns import DELETED
     from cdc_assets.merge import check_deletion_vectors, merge_changes, table_properties
 
     spark = session()

@@ -468,7 +468,9 @@ def _builder_stamp() -> str:
         "benchmarks/tables.py",
         "benchmarks/workload.py",
         "cdc_assets/merge.py",
-        "cdc_assets/decode.py",
+        "cdc_assets/columns.py",
+        "cdc_assets/decoding/plan.py",
+        "cdc_assets/decoding/types.py",
         "cdc_assets/config.py",
     )
     code = b"".join((REPO / name).read_bytes() for name in built_by)

@@ -23,9 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from benchmarks.workload import COLUMNS, PRIMARY_KEY, START_COLUMNS, TABLE
-from cdc_assets.commits import commit_metadata
-from cdc_assets.config import TableSpec
-from cdc_assets.decode import (
+from cdc_assets.columns import (
     DELETED,
     HOUR,
     INGESTED_AT,
@@ -34,8 +32,10 @@ from cdc_assets.decode import (
     OP,
     SEQUENCE,
     SOURCE_TS,
-    decode,
 )
+from cdc_assets.commits import commit_metadata
+from cdc_assets.config import TableSpec
+from cdc_assets.decoding.spark import decode
 from cdc_assets.hour_run import MIRROR_NEWEST
 from cdc_assets.merge import ensure_mirror_table
 from cdc_assets.read import KAFKA_SCHEMA

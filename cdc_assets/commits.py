@@ -27,8 +27,8 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_assets.columns import DELETED, SOURCE_TS
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import DELETED, SOURCE_TS
 from cdc_assets.ledger import DeltaLog
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from cdc_assets import encodings
+from cdc_assets.decoding import types
+from cdc_assets.decoding.values import configurable_encodings
 from cdc_assets.hours import HOUR_KEY_FORMAT, hour_start
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
@@ -38,7 +39,7 @@ SHOP_ANALYTICS = "shop_analytics"
 TABLES_FILE_SETTINGS = ("tables", SHOP_ANALYTICS)
 
 # Shorthands of earlier configs: a timestamp naming the unit of its epoch values, which is the
-# column's encoding (cdc_assets/encodings.py).
+# column's encoding (cdc_assets/decoding/values.py).
 _TIMESTAMP_UNITS = {
     "timestamp(us)": "MicroTimestamp",
     "timestamp(ms)": "Timestamp",
@@ -65,7 +66,7 @@ RESERVED_CHECK_NAMES = (
 
 def spark_type(declared: str) -> str:
     """The Spark SQL type of a declared column type."""
-    return encodings.spark_type(declared)
+    return types.spark_type(declared)
 
 
 _INTEGERS = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
@@ -96,7 +97,7 @@ def typed_default(declared: str, raw: Any) -> Any:
         if isinstance(raw, int | float) and not isinstance(raw, bool):
             return float(raw)
         raise ValueError(problem)
-    shape = encodings.decimal_shape(declared)
+    shape = types.decimal_shape(declared)
     if shape is not None:
         return _decimal_default(problem, declared, shape, raw)
     if declared == "date":
@@ -241,7 +242,7 @@ class ExpectationSpec(BaseModel):
                 re.compile(self.regex)
             except re.error as exc:
                 raise ValueError(f"regex '{self.regex}' does not compile: {exc}") from None
-        if self.type is not None and not encodings.is_valid_type(self.type):
+        if self.type is not None and not types.is_valid_type(self.type):
             raise ValueError(f"type '{self.type}' is not a column type")
         if self.hard and self.expect not in _HARD_KINDS:
             raise ValueError(
@@ -510,10 +511,10 @@ class TableSpec(BaseModel):
             if column.lower() in seen:  # Spark resolves column names case-insensitively
                 problems.append(f"columns '{seen[column.lower()]}' and '{column}' collide")
             seen[column.lower()] = column
-            if not isinstance(declared, str) or not encodings.is_valid_type(declared):
+            if not isinstance(declared, str) or not types.is_valid_type(declared):
                 problems.append(
                     f"column '{column}' has type '{declared}'; use one of "
-                    f"{list(encodings.SCALAR_TYPES)}, decimal(p,s) with 1 <= p <= 38 and "
+                    f"{list(types.SCALAR_TYPES)}, decimal(p,s) with 1 <= p <= 38 and "
                     "0 <= s <= p, or array<one of those>"
                 )
         if problems:
@@ -529,7 +530,7 @@ class TableSpec(BaseModel):
             if columns and column not in columns:
                 problems.append(f"column '{column}' has an encoding but is not under columns")
                 continue
-            allowed = encodings.configurable_encodings(columns.get(column, ""))
+            allowed = configurable_encodings(columns.get(column, ""))
             if columns and encoding not in allowed:
                 choice = f"one of {list(allowed)}" if allowed else "none (its type has one)"
                 problems.append(

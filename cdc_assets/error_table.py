@@ -12,9 +12,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets.columns import ERROR, KAFKA_OFFSET, KAFKA_PARTITION
 from cdc_assets.commits import retry_on_conflict
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import ERROR, KAFKA_OFFSET, KAFKA_PARTITION
 from cdc_assets.sealing import check_error_table, error_table_schema
 
 ERROR_TABLE_SCHEMA = T.StructType(

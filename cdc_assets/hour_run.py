@@ -31,16 +31,7 @@ from pyspark.sql import types as T
 
 from cdc_assets import toast
 from cdc_assets.checking import AuditVerdict, KeyCounts, MirrorChecks
-from cdc_assets.commits import (
-    commit_metadata,
-    current_version,
-    delta_log,
-    hour_history,
-    mirror_newest_ms,
-    record_run,
-)
-from cdc_assets.config import TableSpec, typed_default
-from cdc_assets.decode import (
+from cdc_assets.columns import (
     DELETED,
     ERROR,
     KAFKA_OFFSET,
@@ -52,11 +43,19 @@ from cdc_assets.decode import (
     TALLY,
     TOMBSTONE,
     TRUNCATE,
-    SourceShape,
-    added_column_types,
-    decode,
-    decode_locally,
 )
+from cdc_assets.commits import (
+    commit_metadata,
+    current_version,
+    delta_log,
+    hour_history,
+    mirror_newest_ms,
+    record_run,
+)
+from cdc_assets.config import TableSpec, typed_default
+from cdc_assets.decoding.shape import SourceShape, added_column_types
+from cdc_assets.decoding.spark import decode, decode_locally
+from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
 from cdc_assets.hours import hour_start, previous_key
 from cdc_assets.ledger import DeltaLog
@@ -65,7 +64,6 @@ from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
 from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
-from cdc_assets.tally import Tally, key_value
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey

@@ -93,7 +93,7 @@ def _hmac_udf(key: HmacKey):
 
 
 def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> DataFrame:
-    """Hashes and drops `spec`'s sensitive columns of decoded changes (`cdc_assets.decode`) and
+    """Hashes and drops `spec`'s sensitive columns of decoded changes (`cdc_assets.decoding`) and
     seals their raw bytes (`cdc_assets.sealing`)."""
     if not spec.sensitive:
         return decoded

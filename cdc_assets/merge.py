@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import rule, toast
+from cdc_assets.columns import DELETED, INGESTED_AT, SEQUENCE, value_sequence
 from cdc_assets.commits import (
     LEDGER_OPERATION,
     commit_metadata,
@@ -34,7 +35,6 @@ from cdc_assets.commits import (
     retry_on_conflict,
 )
 from cdc_assets.config import TableSpec, default_json, typed_default
-from cdc_assets.decode import DELETED, INGESTED_AT, SEQUENCE, value_sequence
 from cdc_assets.ledger import DeltaLog
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The CDC rule, stated once, and the code that applies it to a mirror.
 
 What a change is (an insert, update, snapshot read, delete or truncate, and which records are
-errors) is the decoder's (`cdc_assets.decode`). What the mirror does with the changes is this:
+errors) is the decoder's (`cdc_assets.decoding`). What the mirror does with the changes is this:
 
 - Order. Changes of one key are ordered by the table's `sequence` (default `source.lsn`; MySQL:
   the binlog file's number, position and row), then Kafka partition and offset: together
@@ -33,8 +33,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from cdc_assets import toast
-from cdc_assets.config import TableSpec
-from cdc_assets.decode import (
+from cdc_assets.columns import (
     DELETED,
     HOUR,
     INGESTED_AT,
@@ -44,6 +43,7 @@ from cdc_assets.decode import (
     SEQUENCE,
     SOURCE_TS,
 )
+from cdc_assets.config import TableSpec
 
 # The metadata columns a change carries into the mirror (besides the source columns).
 METADATA_COLUMNS = (OP, SEQUENCE, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET, HOUR, INGESTED_AT)

@@ -36,7 +36,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_assets.decode import KAFKA_OFFSET, KAFKA_PARTITION
+from cdc_assets.columns import KAFKA_OFFSET, KAFKA_PARTITION
 from resources.masking import HmacKey
 
 # Field metadata of the error table's sealed `key` and `value` (the mirror's key, MASKING_FIELD).
@@ -111,7 +111,7 @@ def _seal_udf(key: HmacKey, field: str, *, opening: bool):
 
 
 def seal_raw_bytes(frame: DataFrame, key: HmacKey) -> DataFrame:
-    """Seals the decoded frame's `key` and `value` (`cdc_assets.decode`: set on error rows)."""
+    """Seals the decoded frame's `key` and `value` (`cdc_assets.decoding`: set on error rows)."""
     coordinates = (F.col("topic"), F.col(KAFKA_PARTITION), F.col(KAFKA_OFFSET))
     return frame.withColumns(
         {

@@ -30,8 +30,8 @@ from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_assets.columns import DELETED, MOVED_FROM, SEQUENCE, has_value, value_sequence
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import DELETED, MOVED_FROM, SEQUENCE, has_value, value_sequence
 
 MOVED_AT = "_cdc_moved_at"
 # Resolution passes per run: one per link of a chain of moves (a → b → c needs two).

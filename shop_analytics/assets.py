@@ -34,9 +34,9 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets.columns import DELETED
 from cdc_assets.commits import change_feed, commit_metadata, hour_history
 from cdc_assets.config import SHOP_ANALYTICS, TableConfigError, TableSpec, spark_type
-from cdc_assets.decode import DELETED
 from cdc_assets.partitions import hourly_partitions
 from resources.lake import LakeResource
 from resources.spark import SparkResource

@@ -13,7 +13,9 @@ import pyarrow as pa
 from hypothesis import strategies as st
 
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import DecodePlan, RecordDecoder
+from cdc_assets.decoding.batch import decode_batch
+from cdc_assets.decoding.exact import RecordDecoder
+from cdc_assets.decoding.plan import DecodePlan
 
 COLUMNS = {
     "id": "bigint",
@@ -226,7 +228,7 @@ def batch_of(records: list[tuple]) -> pa.RecordBatch:
 def decode_both(spec: TableSpec, batch: pa.RecordBatch, **plan) -> tuple:
     fast = RecordDecoder(DecodePlan.of(spec, hour_key="2026-11-02-06:00", **plan))
     exact = RecordDecoder(DecodePlan.of(spec, hour_key="2026-11-02-06:00", **plan))
-    return fast.decode_batch(batch), exact.decode_batch(batch, fast=False)
+    return decode_batch(fast, batch), decode_batch(exact, batch, fast=False)
 
 
 def _same(a, b) -> bool:

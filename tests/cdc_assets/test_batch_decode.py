@@ -1,4 +1,4 @@
-"""The batch decoder's fast pass against its exact pass alone (`cdc_assets.batch_decode`).
+"""The batch decoder's fast pass against its exact pass alone (`cdc_assets.decoding`).
 
 Batches of records are drawn from parts that each stress one rule: good changes and deletes,
 tombstones, values of the wrong JSON kind, out of range or with too many decimal places,
@@ -18,8 +18,8 @@ from decimal import Decimal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cdc_assets.columns import ERROR
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import ERROR
 from tests.cdc_assets.decoder_records import (
     assert_same,
     batch_of,

@@ -9,17 +9,12 @@ from decimal import Decimal
 
 import pyarrow as pa
 
+from cdc_assets.columns import ERROR, MOVED_FROM, SHAPE, has_value
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import (
-    ERROR,
-    MOVED_FROM,
-    SHAPE,
-    DecodePlan,
-    RecordDecoder,
-    SourceShape,
-    added_column_types,
-    has_value,
-)
+from cdc_assets.decoding.batch import decode_batch
+from cdc_assets.decoding.exact import RecordDecoder
+from cdc_assets.decoding.plan import DecodePlan
+from cdc_assets.decoding.shape import SourceShape, added_column_types
 
 SPEC = TableSpec(
     name="accounts",
@@ -92,7 +87,7 @@ def _decode(records: list[tuple], spec: TableSpec = SPEC, **plan) -> list[dict]:
             ),
         }
     )
-    return decoder.decode_batch(batch).to_pylist()
+    return decode_batch(decoder, batch).to_pylist()
 
 
 def test_a_schema_decides_each_records_encoding_and_a_changed_schema_is_followed():

@@ -12,15 +12,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cdc_assets.decode import (
-    ERROR,
-    MOVED_FROM,
-    OLD_KEY_COLUMN,
-    DecodePlan,
-    RecordDecoder,
-    decode,
-    decoder_input,
-)
+from cdc_assets.columns import ERROR, MOVED_FROM
+from cdc_assets.decoding.batch import decode_batch
+from cdc_assets.decoding.exact import RecordDecoder
+from cdc_assets.decoding.parts import OLD_KEY_COLUMN
+from cdc_assets.decoding.plan import DecodePlan
+from cdc_assets.decoding.spark import decode, decoder_input
 from tests.cdc_assets.decoder_records import (
     COLUMNS,
     assert_same,
@@ -80,7 +77,7 @@ def test_spark_decodes_the_narrowed_rows_as_the_whole_rows(spark, data, toasted)
     records = batch_of(
         [*MOVES, *(_with_other_headers(r, c) for r, c in zip(drawn, choices, strict=True))]
     )
-    whole = RecordDecoder(DecodePlan.of(spec, hour_key=HOUR)).decode_batch(records)
+    whole = decode_batch(RecordDecoder(DecodePlan.of(spec, hour_key=HOUR)), records)
     if toasted:  # the decoder follows the first old key's header, and only it
         assert whole.column(MOVED_FROM).to_pylist()[:3] == [{"id": 2}, None, {"id": 2}]
         assert "__debezium.oldkey" in whole.column(ERROR).to_pylist()[3]

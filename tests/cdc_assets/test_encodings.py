@@ -11,8 +11,8 @@ from decimal import Decimal
 
 import pytest
 
-from cdc_assets import encodings as enc
-from cdc_assets.encodings import DecodeError, Encoding
+from cdc_assets.decoding import values as enc
+from cdc_assets.decoding.values import DecodeError, Encoding
 
 
 def _schema(type_: str, name: str | None = None, **parameters: str) -> Encoding:

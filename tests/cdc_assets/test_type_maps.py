@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from cdc_assets import encodings as enc
 from cdc_assets.config import TableSpec, spark_type
-from cdc_assets.encodings import Encoding
+from cdc_assets.decoding import values as enc
+from cdc_assets.decoding.types import is_valid_type
+from cdc_assets.decoding.values import Encoding
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_each_declared_type_is_stored_as(declared, stored):
     ],
 )
 def test_which_declared_types_are_valid(declared, valid):
-    assert enc.is_valid_type(declared) is valid
+    assert is_valid_type(declared) is valid
 
 
 def test_without_a_schema_each_type_has_the_connectors_default_encoding():

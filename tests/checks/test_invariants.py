@@ -15,7 +15,7 @@ from cdc_assets.config import (
     RetentionPolicy,
     TableSpec,
 )
-from cdc_assets.decode import SourceShape
+from cdc_assets.decoding.shape import SourceShape
 from cdc_assets.hour_run import HourCounts, HourResult
 from cdc_assets.read import OffsetCensus
 from cdc_assets.slicing import HourSlice, PartitionSlice

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from cdc_assets import commits
 from cdc_assets.config import TableSpec
-from cdc_assets.decode import SourceShape, added_column_types
+from cdc_assets.decoding.shape import SourceShape, added_column_types
 from cdc_assets.hour_run import truncate_watermark
 
 

@@ -1,11 +1,11 @@
 """A whole column of values converted at once: the common encodings' fast rule.
 
-`encodings.converter` reads one value in its encoding, exactly, or names why it can't. Most of
+`values.converter` reads one value in its encoding, exactly, or names why it can't. Most of
 an hour's values are plain (an int64 in range, a string, a decimal as text), and checking
 them one call at a time costs more than parsing the record. `column_converter` gives, for the
 encodings whose rule is a plain check of the values' JSON kinds and ranges, a function that
 converts a whole column when every value passes that check, and returns None otherwise; the
-decoder then reads that column value by value with `encodings.converter`, which finds the
+decoder then reads that column value by value with `values.converter`, which finds the
 values that fail and their reasons. So a column either converts here to exactly what the
 per-value rule gives, or not at all: there is no second rule to drift from the first.
 
@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from cdc_assets import encodings as enc
+from cdc_assets.decoding import values as enc
+from cdc_assets.decoding.cells import UNAVAILABLE
 
 ColumnConverter = Callable[[list], "list | pa.Array | None"]
 
 _NONE = type(None)
-_UNAVAILABLE = "__debezium_unavailable_value"
 
 
 def _kinds(values: list) -> set[type]:
@@ -49,18 +49,18 @@ def _ints_within(values: list, low: int, high: int) -> bool:
 def column_converter(declared: str, encoding: enc.Encoding) -> ColumnConverter | None:
     """The fast rule for `declared` values in `encoding`, or None when it has none.
 
-    Only pairs for which `encodings.converter` makes a converter (no mismatch) get one, and
+    Only pairs for which `values.converter` makes a converter (no mismatch) get one, and
     each accepts exactly the values that converter accepts without error, with the same
     result (an Arrow array holds the same values as the list it stands for).
     """
     family = "decimal" if enc.decimal_shape(declared) else declared
     kind, name = encoding.type, encoding.name
     if family in ("bigint", "int"):
-        if kind not in enc._INT_TYPES or name not in enc._INTEGER_NAMES:
+        if kind not in enc.INT_TYPES or name not in enc.INTEGER_NAMES:
             return None
         if declared == "int" and kind == "int64":
             return None
-        low, high = enc._INT_RANGE[declared]
+        low, high = enc.INT_RANGE[declared]
         return lambda values: values if _ints_within(values, low, high) else None
     if family in ("double", "float"):
         if name is not None or kind not in ("float32", "float64", "int8", "int16", "int32"):
@@ -83,7 +83,7 @@ def column_converter(declared: str, encoding: enc.Encoding) -> ColumnConverter |
     if family == "date":
         if name not in (enc.DATE, enc.CONNECT_DATE) or kind != "int32":
             return None
-        return lambda values: values if _ints_within(values, enc._MIN_DAY, enc._MAX_DAY) else None
+        return lambda values: values if _ints_within(values, enc.MIN_DAY, enc.MAX_DAY) else None
     if family == "timestamp":
         factor = {enc.MICRO_TIMESTAMP: 1, enc.TIMESTAMP: 1000, enc.CONNECT_TIMESTAMP: 1000}.get(
             name
@@ -97,7 +97,7 @@ def column_converter(declared: str, encoding: enc.Encoding) -> ColumnConverter |
 def _strings(values: list) -> list | None:
     # Debezium's placeholder for an unchanged TOASTed value is a string too: a column holding
     # one is read value by value (`decode` says what it means there).
-    if _kinds(values) <= {str} and _UNAVAILABLE not in values:
+    if _kinds(values) <= {str} and UNAVAILABLE not in values:
         return values
     return None
 
@@ -115,7 +115,7 @@ def _decimal_text(arrow_type: pa.Decimal128Type) -> ColumnConverter:
     """Decimal text (decimal.handling.mode=string): Arrow's cast is exact or fails (it refuses
     to drop a digit or overflow the precision), after the same text check as `_decimal_text`
     and a length no 128-bit decimal could misread."""
-    match = enc._DECIMAL_TEXT.match
+    match = enc.DECIMAL_TEXT.match
 
     def convert(values: list) -> pa.Array | None:
         kinds = _kinds(values)
@@ -136,7 +136,7 @@ def _decimal_text(arrow_type: pa.Decimal128Type) -> ColumnConverter:
 
 def _timestamps(factor: int) -> ColumnConverter:
     """Epoch milliseconds or microseconds within years 1 to 9999, as microseconds."""
-    low, high = enc._MIN_MICROS, enc._MAX_MICROS
+    low, high = enc.MIN_MICROS, enc.MAX_MICROS
     limit = high // factor
 
     def convert(values: list) -> list | None:

@@ -11,7 +11,7 @@ Where the encoding comes from:
   and parameters (a decimal's scale). The table's settings are not consulted.
 - Without a schema, the table's config says it: a column's `encoding`, else the table's
   `decimal_handling` / `binary_handling`, else the connector's default for the declared type
-  (`DEFAULT_ENCODINGS`): precise decimals, MicroTimestamp, Date, MicroTime, bytea as bytes.
+  (`configured_encoding`): precise decimals, MicroTimestamp, Date, MicroTime, bytea as bytes.
 
 What each declared type accepts (anything else is an error naming the mismatch):
 
@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from decimal import Context, Decimal, Inexact, InvalidOperation
 from typing import Any
 
+from cdc_assets.decoding.types import array_item, decimal_shape
+
 # Connect logical type names.
 DECIMAL = "org.apache.kafka.connect.data.Decimal"
 CONNECT_DATE = "org.apache.kafka.connect.data.Date"
@@ -75,24 +77,22 @@ BITS = "io.debezium.data.Bits"
 BASE64_TEXT = "cdc.base64"
 HEX_TEXT = "cdc.hex"
 
-_INT_TYPES = ("int8", "int16", "int32", "int64")
-_INT_RANGE = {"int": (-(2**31), 2**31 - 1), "bigint": (-(2**63), 2**63 - 1)}
+INT_TYPES = ("int8", "int16", "int32", "int64")
+INT_RANGE = {"int": (-(2**31), 2**31 - 1), "bigint": (-(2**63), 2**63 - 1)}
 _TIMESTAMP_NAMES = {TIMESTAMP: 1000, CONNECT_TIMESTAMP: 1000, MICRO_TIMESTAMP: 1, NANO_TIMESTAMP: 0}
 _TIME_NAMES = {TIME: 1000, CONNECT_TIME: 1000, MICRO_TIME: 1, NANO_TIME: 0}
-_INTEGER_NAMES = (None, YEAR, MICRO_DURATION)
+INTEGER_NAMES = (None, YEAR, MICRO_DURATION)
 # Spark's timestamp range: years 1 to 9999.
-_MIN_MICROS, _MAX_MICROS = -62_135_596_800_000_000, 253_402_300_799_999_999
-_MIN_DAY, _MAX_DAY = -719_162, 2_932_896
+MIN_MICROS, MAX_MICROS = -62_135_596_800_000_000, 253_402_300_799_999_999
+MIN_DAY, MAX_DAY = -719_162, 2_932_896
 _DAY_MICROS = 86_400_000_000
 _EPOCH_DATE = dt.date(1970, 1, 1)
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 # Decimal arithmetic that never rounds: a result needing more digits raises instead.
 _EXACT = Context(prec=200, Emax=999_999, Emin=-999_999, traps=[InvalidOperation, Inexact])
-_DECIMAL_TYPE = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
-_ARRAY_TYPE = re.compile(r"^array<(.+)>$")
 # Debezium writes decimal.handling.mode=string as BigDecimal.toPlainString(): no exponent.
-_DECIMAL_TEXT = re.compile(r"^-?\d+(\.\d+)?$")
+DECIMAL_TEXT = re.compile(r"^-?\d+(\.\d+)?$")
 _DIGITS = re.compile(r"^\d+$")
 _BASE64 = re.compile(r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")
 _HEX = re.compile(r"^(?:[0-9A-Fa-f]{2})*$")
@@ -190,51 +190,6 @@ def from_connect_schema(schema: Mapping[str, Any]) -> Encoding:
         length=int(length) if length is not None else None,
         precision=int(precision) if precision is not None else None,
     )
-
-
-# --- declared types --------------------------------------------------------------------------
-
-
-def is_valid_type(declared: str) -> bool:
-    array = _ARRAY_TYPE.match(declared)
-    if array:
-        return is_valid_type(array[1]) and not array[1].startswith("array<")
-    decimal = _DECIMAL_TYPE.match(declared)
-    if decimal:
-        return 1 <= int(decimal[1]) <= 38 and int(decimal[2]) <= int(decimal[1])
-    return declared in SCALAR_TYPES
-
-
-SCALAR_TYPES = (
-    "string",
-    "boolean",
-    "int",
-    "bigint",
-    "double",
-    "float",
-    "timestamp",
-    "date",
-    "time",
-    "binary",
-)
-
-
-def array_item(declared: str) -> str | None:
-    match = _ARRAY_TYPE.match(declared)
-    return match[1] if match else None
-
-
-def decimal_shape(declared: str) -> tuple[int, int] | None:
-    match = _DECIMAL_TYPE.match(declared)
-    return (int(match[1]), int(match[2])) if match else None
-
-
-def spark_type(declared: str) -> str:
-    """The Spark SQL type a declared column is stored as."""
-    item = array_item(declared)
-    if item is not None:
-        return f"array<{spark_type(item)}>"
-    return "string" if declared == "time" else declared
 
 
 # --- configured encodings (no schema in the envelope) ----------------------------------------
@@ -417,11 +372,11 @@ def _is_int(value: Any) -> bool:
 def _integer(
     column: str, declared: str, encoding: Encoding, from_schema: bool = True
 ) -> Converter | None:
-    if encoding.type not in _INT_TYPES or encoding.name not in _INTEGER_NAMES:
+    if encoding.type not in INT_TYPES or encoding.name not in INTEGER_NAMES:
         return None
     if declared == "int" and encoding.type == "int64":
         return None  # a 64-bit source column: declare bigint
-    low, high = _INT_RANGE[declared]
+    low, high = INT_RANGE[declared]
 
     def convert(value: Any) -> int:
         if not _is_int(value):
@@ -478,7 +433,7 @@ def _decimal(
         return lambda value: fit(_variable_scale(column, value))
     if encoding.name is not None:
         return None
-    if encoding.type in _INT_TYPES:
+    if encoding.type in INT_TYPES:
         return lambda value: fit(Decimal(_int_value(column, value, encoding)))
     if encoding.type == "string":
         return lambda value: fit(_decimal_text(column, value))
@@ -555,7 +510,7 @@ def _variable_scale(column: str, value: Any) -> Decimal:
 
 
 def _decimal_text(column: str, value: Any) -> Decimal:
-    if type(value) is str and _DECIMAL_TEXT.match(value):
+    if type(value) is str and DECIMAL_TEXT.match(value):
         return Decimal(value)
     raise KindError(column, value, Encoding("string"))
 
@@ -580,7 +535,7 @@ def _date(
 
     def convert(value: Any) -> int:
         days = _int_value(column, value, encoding)
-        if not _MIN_DAY <= days <= _MAX_DAY:
+        if not MIN_DAY <= days <= MAX_DAY:
             raise DecodeError(f"column '{column}' holds a date outside years 1 to 9999")
         return days
 
@@ -605,7 +560,7 @@ def _timestamp(
                     "timestamp (microseconds) would cut; declare it string to keep them"
                 )
             return _bounded_micros(column, number // 1000)
-        if abs(number) > _MAX_MICROS // factor:
+        if abs(number) > MAX_MICROS // factor:
             raise DecodeError(f"column '{column}' holds a timestamp outside years 1 to 9999")
         return _bounded_micros(column, number * factor)
 
@@ -613,7 +568,7 @@ def _timestamp(
 
 
 def _bounded_micros(column: str, micros: int) -> int:
-    if not _MIN_MICROS <= micros <= _MAX_MICROS:
+    if not MIN_MICROS <= micros <= MAX_MICROS:
         raise DecodeError(f"column '{column}' holds a timestamp outside years 1 to 9999")
     return micros
 
@@ -847,7 +802,7 @@ def _looks_like(value: Any, *, decimal: bool) -> str:
     if kind == "object" and isinstance(value, dict) and set(value) == {"scale", "value"}:
         return "a VariableScaleDecimal (decimal.handling.mode=precise on an unconstrained numeric)"
     if kind == "string":
-        if decimal and _DECIMAL_TEXT.match(value) and not _BASE64.match(value):
+        if decimal and DECIMAL_TEXT.match(value) and not _BASE64.match(value):
             return "decimal text (decimal.handling.mode=string?)"
         if _ISO_TIMESTAMP.match(value):
             return "an ISO-8601 timestamp (ZonedTimestamp?)"
@@ -860,7 +815,7 @@ def _looks_like(value: Any, *, decimal: bool) -> str:
 def _fix_for_value(expected: Encoding, value: Any, *, decimal: bool, configurable: bool) -> str:
     kind = json_kind(value)
     if decimal:
-        if kind == "string" and _DECIMAL_TEXT.match(value) and expected.type != "string":
+        if kind == "string" and DECIMAL_TEXT.match(value) and expected.type != "string":
             return (
                 "declare decimal_handling: string for the table (or the column's encoding), or "
                 "set the connector's decimal.handling.mode=precise"
@@ -881,3 +836,18 @@ def _fix_for_value(expected: Encoding, value: Any, *, decimal: bool, configurabl
             "the column's encoding to match the connector's settings (docs/debezium.md)"
         )
     return "declare the column with the type the source sends"
+
+
+def json_kinds_of(encoding: Encoding) -> set[str]:
+    """The JSON kinds a configured encoding's values arrive as."""
+    if encoding.type == "array":
+        return {"array"}
+    if encoding.type == "struct":
+        return {"object"}
+    if encoding.type in ("int8", "int16", "int32", "int64"):
+        return {"integer"}
+    if encoding.type in ("float32", "float64"):
+        return {"number", "integer"}
+    if encoding.type == "boolean":
+        return {"boolean"}
+    return {"string"}

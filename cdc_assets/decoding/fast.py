@@ -1,46 +1,44 @@
-"""A batch of Kafka records → the decoded Arrow batch, mostly a column at a time.
+"""The fast pass: a batch's common records read a column at a time.
 
-`RecordDecoder.decode` reads one record exactly (the CDC rules are in `cdc_assets.decode`). Done
-record by record, its checks cost several times the parse. So a batch is read in two passes:
-
-- The fast pass parses each value once (msgspec, into the envelope fields the decoder uses),
-  takes the records whose shape is the common one (an insert, update, snapshot read or delete
-  in the table's config or a schema seen before, its key present, no header to follow), and
-  converts their values a column at a time (`column_encodings`, else value by value with the
-  exact converters). A record that anything about is unusual for (a value that doesn't convert,
-  a key naming another row, a truncate, a tombstone, JSON the fast parser refuses) is left out.
-- The exact pass runs `RecordDecoder.decode` on the records left out: every error and its
-  reason comes from it.
-
-Both passes produce the same rows for a record (tests/cdc_assets/test_batch_decode.py checks
-the whole batch against the exact pass alone), and the batch's tally and source shape add up
-what both saw.
+It parses each value once (msgspec, into the envelope fields the decoder uses), takes the
+records whose shape is the common one (an insert, update, snapshot read or delete in the
+table's config or a schema seen before, its key present, no header to follow), and converts
+their values a column at a time (`column_values`), else value by value by the exact pass's own
+rule (`cells`). A record anything about is unusual for (a value that doesn't convert, a key
+naming another row, a truncate, a tombstone, JSON the fast parser refuses) is left out, for the
+exact pass (`exact.py`), which names every error's reason.
 """
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-import numpy as np
 import pyarrow as pa
 
-from cdc_assets import decode as d
-from cdc_assets import encodings as enc
-from cdc_assets.column_encodings import column_converter
-from cdc_assets.tally import KeyRange, Tally
-
-if TYPE_CHECKING:
-    from cdc_assets.decode import RecordDecoder, _RowPlan
+from cdc_assets.columns import MOVED_FROM, SEQUENCE
+from cdc_assets.decoding import values as enc
+from cdc_assets.decoding.cells import change_value, delete_value
+from cdc_assets.decoding.column_values import column_converter
+from cdc_assets.decoding.envelope import (
+    APPLIED_OPS,
+    SCHEMA_PREFIX,
+    BadRecord,
+    is_wrapped,
+    payload_of,
+    schema_prefix,
+    sequence_part,
+    source_micros,
+)
+from cdc_assets.decoding.exact import RecordDecoder
+from cdc_assets.decoding.parts import BatchInput, Part, Seen
+from cdc_assets.decoding.plan import DecodePlan, RowPlan
+from cdc_assets.decoding.tally import KeyRange, Tally
 
 _MISSING = msgspec.UNSET  # a column the record's row lacks
-_APPLIED_OPS = ("c", "u", "r")
 # The JSON kind of a parsed value by its Python type (`encodings.json_kind`).
 _KIND_OF = {
     type(None): "null",
@@ -54,138 +52,10 @@ _PARSE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeErro
 
 
 @dataclass
-class _Input:
-    """The batch's Kafka columns as Python lists."""
-
-    batch: pa.RecordBatch
-    keys: list
-    values: list
-    partitions: list
-    offsets: list
-    headers: list
-
-    @classmethod
-    def of(cls, batch: pa.RecordBatch) -> _Input:
-        count = batch.num_rows
-        names = batch.schema.names
-        # The one header the decoder reads, whichever way the slice was read: every header (a
-        # slice read in the driver, `read.read_slice_locally`) or its value alone (Spark's read,
-        # `d.decoder_input`). So other headers send no record to the exact pass.
-        if "headers" in names:
-            old_keys = [d.old_key_value(h) for h in batch.column("headers").to_pylist()]
-        elif d.OLD_KEY_COLUMN in names:
-            old_keys = batch.column(d.OLD_KEY_COLUMN).to_pylist()
-        else:
-            old_keys = [None] * count
-        headers = [
-            None if old is None else [{"key": d.OLD_KEY_HEADER, "value": old}] for old in old_keys
-        ]
-        return cls(
-            batch,
-            batch.column("key").to_pylist(),
-            batch.column("value").to_pylist(),
-            batch.column("partition").to_pylist(),
-            batch.column("offset").to_pylist(),
-            headers,
-        )
-
-
-@dataclass
-class _Seen:
-    """What the batch's records told of the source's columns (`SourceShape`), gathered."""
-
-    shape: d.SourceShape = field(default_factory=d.SourceShape)
-    json_kinds: dict[str, set[str]] = field(default_factory=dict)
-    # (column, partition) → (offset, kind) of the newest non-null value.
-    json_newest: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
-
-    def kind(self, name: str, kind: str, partition: int, offset: int) -> None:
-        self.json_kinds.setdefault(name, set()).add(kind)
-        if kind != "null":
-            newest = self.json_newest.get((name, partition))
-            if newest is None or offset > newest[0]:
-                self.json_newest[(name, partition)] = (offset, kind)
-
-
-@dataclass
-class _Part:
-    """Decoded rows of some of the batch's records: their row numbers, ascending, and one
-    array per output column (the schema's, SHAPE and TALLY excepted)."""
-
-    rows: list[int]
-    arrays: list[pa.Array]
-
-
-def decode_batch(
-    decoder: RecordDecoder, batch: pa.RecordBatch, *, fast: bool = True
-) -> pa.RecordBatch:
-    """`RecordDecoder.decode_batch`: see the module docstring. `fast=False`: the exact pass
-    alone, for every record."""
-    with _no_cycle_collection():
-        return _decode_batch(decoder, batch, fast=fast)
-
-
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """A batch builds a few objects per value and keeps them until its arrays are made, none
-    of them in a reference cycle: Python's cycle collector, run every few hundred allocations,
-    would scan them again and again (a third of the batch's time, measured)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _decode_batch(decoder: RecordDecoder, batch: pa.RecordBatch, *, fast: bool) -> pa.RecordBatch:
-    plan = decoder.plan
-    schema = d.arrow_schema(plan)
-    records = _Input.of(batch)
-    count = batch.num_rows
-    tally = Tally(records=count)
-    key_range = KeyRange(decoder._ranged_keys)
-    seen = _Seen()
-    if fast:
-        parts, left_out = _FastPass(decoder, records, schema).run(tally, key_range, seen)
-    else:
-        parts, left_out = [], list(range(count))
-    if left_out:
-        parts.append(_exact_part(decoder, records, left_out, schema, tally, key_range, seen))
-    decoder._add_json_kinds(seen.shape, seen.json_kinds, seen.json_newest)
-    shapes, tallies = [None] * count, [None] * count
-    if count and (seen.shape.schemas or seen.shape.fields):
-        shapes[0] = seen.shape.to_json()
-    if count:
-        tally.low, tally.high = key_range.encoded()
-        tallies[0] = tally.to_json()
-    columns = _assemble(parts, count, schema)
-    columns += [pa.array(shapes, pa.string()), pa.array(tallies, pa.string())]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
-
-
-def _assemble(parts: list[_Part], count: int, schema: pa.Schema) -> list[pa.Array]:
-    """The parts' rows in the batch's order."""
-    width = len(schema) - 2
-    parts = [p for p in parts if p.rows]
-    if not parts:
-        return [pa.array([], schema.field(n).type) for n in range(width)]
-    if len(parts) == 1:
-        return parts[0].arrays
-    rows = np.concatenate([np.asarray(p.rows, dtype=np.int64) for p in parts])
-    order = pa.array(np.argsort(rows, kind="stable"))
-    return [pa.concat_arrays([p.arrays[n] for p in parts]).take(order) for n in range(width)]
-
-
-# --- the fast pass -----------------------------------------------------------------------------
-
-
-@dataclass
 class _Group:
     """Records of one kind (changes or deletes) read by one row plan."""
 
-    row_plan: _RowPlan
+    row_plan: RowPlan
     delete: bool
     rows: list[int] = field(default_factory=list)
     cells: list[list] = field(default_factory=list)  # per record, the plan columns' raw values
@@ -195,20 +65,23 @@ class _Group:
     # Records whose `after` holds columns the plan doesn't: their row.
     extra: dict[int, dict] = field(default_factory=dict)
     # Records whose `after` lacks columns that did not exist when they were written (they take
-    # the column's default, `decode.absent_at_the_time`): which.
+    # the column's default, `plan.absent_at_the_time`): which.
     absent: dict[int, list[int]] = field(default_factory=dict)
 
 
-class _FastPass:
-    def __init__(self, decoder: RecordDecoder, records: _Input, schema: pa.Schema) -> None:
+class FastPass:
+    """The fast pass over a batch (see the package docstring): the records of the common shape,
+    grouped by row plan and kind, converted a column at a time; the others left out."""
+
+    def __init__(self, decoder: RecordDecoder, records: BatchInput, schema: pa.Schema) -> None:
         self.decoder, self.records, self.schema = decoder, records, schema
         self.plan = decoder.plan
-        self.names = decoder._names
+        self.names = decoder.plan.names
         self.width = len(self.names)
         self.envelopes = _envelope_decoders(self.plan)
         self.any_json = msgspec.json.Decoder()
 
-    def run(self, tally: Tally, key_range: KeyRange, seen: _Seen) -> tuple[list[_Part], list[int]]:
+    def run(self, tally: Tally, key_range: KeyRange, seen: Seen) -> tuple[list[Part], list[int]]:
         groups, left_out = self._group()
         parts = []
         for group in groups.values():
@@ -221,10 +94,10 @@ class _FastPass:
 
     def _group(self) -> tuple[dict[tuple[int, bool], _Group], list[int]]:
         decoder, plan, records = self.decoder, self.plan, self.records
-        by_schema, configured = decoder._by_schema, decoder._configured
+        plans = decoder.plans
         typed, untyped = self.envelopes
         decode_typed, decode_untyped, any_json = typed.decode, untyped.decode, self.any_json.decode
-        names, width, pk_index = self.names, self.width, decoder._pk_index
+        names, width, pk_index = self.names, self.width, plan.pk_index
         row_cells = attrgetter(*[f"c{n}" for n in range(width)]) if width > 1 else None
         sequence = _sequence_reader(plan)
         missing = list(repeat(_MISSING, width))
@@ -237,18 +110,17 @@ class _FastPass:
             if value is None or len(value) > max_bytes:
                 skip(i)
                 continue
-            if value.startswith(d._SCHEMA_PREFIX):
-                prefix = d._schema_prefix(value)
-                row_plan = by_schema.get(prefix) if prefix is not None else None
+            if value.startswith(SCHEMA_PREFIX):
+                prefix = schema_prefix(value)
+                row_plan = plans.known_value(prefix)
                 if row_plan is None:
                     row_plan = self._row_plan(value)
                     if row_plan is None:
                         skip(i)
                         continue
-                start = len(d._SCHEMA_PREFIX) + len(prefix) + len(d._PAYLOAD_SEPARATOR)
-                payload = value[start:-1]
+                payload = payload_of(value, prefix)
             else:
-                row_plan, payload = configured, value
+                row_plan, payload = plans.configured, value
             extra = None
             try:
                 envelope = decode_typed(payload)
@@ -282,7 +154,7 @@ class _FastPass:
                     skip(i)  # the key from the Kafka key: the exact pass
                     continue
                 extra = None
-            elif op in _APPLIED_OPS:
+            elif op in APPLIED_OPS:
                 after = envelope.after
                 if after is None or (toasted and headers[i]):
                     skip(i)
@@ -308,7 +180,7 @@ class _FastPass:
                 continue
             try:
                 parts = sequence(envelope)
-            except d._Bad:
+            except BadRecord:
                 skip(i)
                 continue
             group = groups.get((id(row_plan), delete))
@@ -322,7 +194,7 @@ class _FastPass:
             group.cells.append(cells)
             group.ops.append(op)
             group.sequences.append(parts)
-            group.source_ts.append(_source_micros(envelope.source))
+            group.source_ts.append(source_micros(envelope.source))
         return groups, left_out
 
     # -- pass 2: convert a group a column at a time --
@@ -333,15 +205,15 @@ class _FastPass:
         left_out: list[int],
         tally: Tally,
         key_range: KeyRange,
-        seen: _Seen,
-    ) -> _Part | None:
-        plan, decoder, row_plan = self.plan, self.decoder, group.row_plan
+        seen: Seen,
+    ) -> Part | None:
+        plan, row_plan = self.plan, group.row_plan
         size = len(group.rows)
         raw_columns = [list(column) for column in zip(*group.cells, strict=True)]
         bad: set[int] = set()
         columns: list[list | pa.Array] = []
         has: dict[int, list[bool]] = {}
-        toasted = {decoder._index[c]: t for t, c in enumerate(plan.toasted)}
+        toasted = plan.toasted_index
         for n, raw in enumerate(raw_columns):
             encoding = row_plan.encodings[n]
             declared = plan.columns[n][1]
@@ -355,11 +227,13 @@ class _FastPass:
                 if n in toasted:
                     has[n] = [not group.delete] * size
                 continue
-            values, flags = _one_by_one(raw, converter, encoding, group.delete, bad, n in toasted)
+            values, flags = _one_by_one(
+                self.names[n], raw, converter, encoding, group.delete, bad, n in toasted
+            )
             columns.append(values)
             if n in toasted:
                 has[n] = flags
-        key_columns = [_as_list(columns[k]) for k in decoder._pk_index]
+        key_columns = [_as_list(columns[k]) for k in plan.pk_index]
         if group.delete:  # a key value that didn't convert is taken from the Kafka key
             for values in key_columns:
                 bad.update(j for j, value in enumerate(values) if value is None)
@@ -383,26 +257,25 @@ class _FastPass:
         return self._part(group, columns, has)
 
     def _check_keys(self, group: _Group, key_columns: list[list], bad: set[int]) -> None:
-        """The Kafka key must name the row's primary key (`RecordDecoder._check_kafka_key`)."""
-        decoder, keys = self.decoder, self.records.keys
-        configured = decoder._configured
-        named: dict[int, tuple[_RowPlan, list[tuple[int, dict]]]] = {}
+        """The Kafka key must name the row's primary key, as the exact pass checks it."""
+        plan, keys = self.plan, self.records.keys
+        configured = self.decoder.plans.configured
+        named: dict[int, tuple[RowPlan, list[tuple[int, dict]]]] = {}
         for j, i in enumerate(group.rows):
             key = keys[i]
             if key is None:
                 continue
             key_plan = configured
             try:
-                if key.startswith(d._SCHEMA_PREFIX):
+                if key.startswith(SCHEMA_PREFIX):
                     key_plan = self._key_plan(key)
                     if key_plan is None:
                         bad.add(j)
                         continue
-                    start = len(d._SCHEMA_PREFIX) + len(d._schema_prefix(key))
-                    document = self.any_json.decode(key[start + len(d._PAYLOAD_SEPARATOR) : -1])
+                    document = self.any_json.decode(payload_of(key, schema_prefix(key)))
                 else:
                     document = self.any_json.decode(key)
-                    if d._is_wrapped(document):
+                    if is_wrapped(document):
                         bad.add(j)
                         continue
             except _PARSE_ERRORS:
@@ -412,12 +285,12 @@ class _FastPass:
                 named.setdefault(id(key_plan), (key_plan, []))[1].append((j, document))
         # Each primary key column the keys name, converted a column at a time where it can be.
         for key_plan, items in named.values():
-            for k, (pk, n) in enumerate(zip(self.plan.primary_key, decoder._pk_index, strict=True)):
+            for k, (pk, n) in enumerate(zip(plan.primary_key, plan.pk_index, strict=True)):
                 converter = key_plan.converters[n]
                 if isinstance(converter, enc.Mismatch):
                     continue  # a key value that doesn't convert names nothing
                 raw = [document.get(pk) for _, document in items]
-                rule = column_converter(self.plan.columns[n][1], key_plan.encodings[n])
+                rule = column_converter(plan.columns[n][1], key_plan.encodings[n])
                 converted = rule(raw) if rule is not None else None
                 if converted is None:
                     converted = [_or_none(converter, value) for value in raw]
@@ -426,36 +299,35 @@ class _FastPass:
                     if in_key is not None and in_key != row_values[j]:
                         bad.add(j)
 
-    def _key_plan(self, key: bytes) -> _RowPlan | None:
+    def _key_plan(self, key: bytes) -> RowPlan | None:
         """The plan of a wrapped key's schema, learnt from the first key that has it."""
-        decoder = self.decoder
-        prefix = d._schema_prefix(key)
+        plans = self.decoder.plans
+        prefix = schema_prefix(key)
         if prefix is None:
             return None
-        plan = decoder._by_key_schema.get(prefix)
+        plan = plans.known_key(prefix)
         if plan is None:
             try:
                 document = self.any_json.decode(key)
             except _PARSE_ERRORS:
                 return None
-            if d._is_wrapped(document):
-                decoder._key_plan(key, document["schema"])
-            plan = decoder._by_key_schema.get(prefix)
+            if is_wrapped(document):
+                plans.learn_key(key, document["schema"])
+            plan = plans.known_key(prefix)
         return plan
 
-    def _row_plan(self, value: bytes) -> _RowPlan | None:
+    def _row_plan(self, value: bytes) -> RowPlan | None:
         """The plan of a wrapped value's schema, learnt from the first record that has it."""
-        decoder = self.decoder
-        prefix = d._schema_prefix(value)
+        prefix = schema_prefix(value)
         if prefix is None:
             return None
-        plan = decoder._by_schema.get(prefix)
+        plan = self.decoder.plans.known_value(prefix)
         if plan is None:
             try:
-                decoder._parse(value)
-            except d._Bad:
+                self.decoder.parse(value)
+            except BadRecord:
                 return None
-            plan = decoder._by_schema.get(prefix)
+            plan = self.decoder.plans.known_value(prefix)
         return plan
 
     def _count(
@@ -476,9 +348,9 @@ class _FastPass:
                 key_range.add({pk: min(values)})
                 key_range.add({pk: max(values)})
 
-    def _note_shape(self, group: _Group, raw_columns: list[list], seen: _Seen) -> None:
+    def _note_shape(self, group: _Group, raw_columns: list[list], seen: Seen) -> None:
         """What the group's change records told of the source's columns, as the exact pass
-        notes it record by record (`RecordDecoder._change_row`)."""
+        notes it record by record."""
         row_plan = group.row_plan
         if row_plan.shape.schemas == {True}:
             seen.shape.merge(row_plan.shape)
@@ -512,10 +384,10 @@ class _FastPass:
         for j, row in group.extra.items():
             i = rows[j]
             for name, value in row.items():
-                if name not in self.decoder._index:
+                if name not in self.plan.index:
                     seen.kind(name, enc.json_kind(value), partitions[i], offsets[i])
 
-    def _part(self, group: _Group, columns: list, has: dict[int, list[bool]]) -> _Part:
+    def _part(self, group: _Group, columns: list, has: dict[int, list[bool]]) -> Part:
         plan, schema, batch = self.plan, self.schema, self.records.batch
         rows = pa.array(group.rows, pa.int64())
         size = len(group.rows)
@@ -524,7 +396,7 @@ class _FastPass:
         value = batch.column("value").take(rows) if keep_raw else pa.nulls(size, pa.binary())
         partition = batch.column("partition").take(rows).cast(pa.int32())
         offset = batch.column("offset").take(rows).cast(pa.int64())
-        sequence_type = schema.field(d.SEQUENCE).type
+        sequence_type = schema.field(SEQUENCE).type
         parts = list(zip(*group.sequences, strict=True)) if group.sequences else []
         sequence = pa.StructArray.from_arrays(
             [
@@ -546,7 +418,7 @@ class _FastPass:
                 data.append(pa.array(values, arrow_type))
         toasted_flags = [
             pa.array(has.get(decoder_index, [False] * size), pa.bool_())
-            for decoder_index in (self.decoder._index[c] for c in plan.toasted)
+            for decoder_index in (plan.index[c] for c in plan.toasted)
         ]
         arrays = [
             key,
@@ -564,16 +436,16 @@ class _FastPass:
             pa.nulls(size, pa.string()),
             pa.array([False] * size, pa.bool_()),
             *toasted_flags,
-            *([pa.nulls(size, schema.field(d.MOVED_FROM).type)] if plan.toasted else []),
+            *([pa.nulls(size, schema.field(MOVED_FROM).type)] if plan.toasted else []),
         ]
-        return _Part(group.rows, arrays)
+        return Part(group.rows, arrays)
 
 
 def _with_defaults(
-    columns: list[list | pa.Array], absent: dict[int, list[int]], plan: d.DecodePlan
+    columns: list[list | pa.Array], absent: dict[int, list[int]], plan: DecodePlan
 ) -> list[list | pa.Array]:
-    """The group's columns with each absent cell holding its column's default (as
-    `RecordDecoder._change_row` gives it): the change was written before the column existed."""
+    """The group's columns with each absent cell holding its column's default (as the exact pass
+    gives it): the change was written before the column existed."""
     columns = list(columns)
     for j, gone in absent.items():
         for n in gone:
@@ -587,6 +459,7 @@ def _with_defaults(
 
 
 def _one_by_one(
+    name: str,
     raw: list,
     converter: Any,
     encoding: enc.Encoding,
@@ -594,36 +467,22 @@ def _one_by_one(
     bad: set[int],
     toasted: bool,
 ) -> tuple[list, list[bool]]:
-    """A column value by value, as `RecordDecoder._change_row` (or `_delete_row`) reads it:
-    a value that fails marks its record bad (a delete's becomes null)."""
+    """A column value by value, by the rule the exact pass applies (`cells`): a change's value
+    that fails marks its record bad; a delete's becomes null."""
     values: list = []
     flags: list[bool] = []
-    mismatch = isinstance(converter, enc.Mismatch)
     for j, cell in enumerate(raw):
-        if cell is None:
-            values.append(None)
-            flags.append(not delete)
-            continue
-        if d._is_unavailable(cell, encoding):
-            values.append(None)
+        if delete:
+            values.append(delete_value(cell, converter, encoding))
             flags.append(False)
-            if not delete and not toasted:
-                bad.add(j)
-            continue
-        if mismatch:
-            values.append(None)
-            flags.append(False)
-            if not delete:
-                bad.add(j)
             continue
         try:
-            values.append(converter(cell))
-            flags.append(not delete)
-        except enc.DecodeError:
-            values.append(None)
-            flags.append(False)
-            if not delete:
-                bad.add(j)
+            value, carried = change_value(name, cell, converter, encoding, toasted=toasted)
+        except BadRecord:
+            value, carried = None, False
+            bad.add(j)
+        values.append(value)
+        flags.append(carried)
     return values, flags
 
 
@@ -662,9 +521,9 @@ def _subset(group: _Group, keep: list[int]) -> _Group:
     )
 
 
-def _sequence_reader(plan: d.DecodePlan):
-    """The sequence parts of a parsed envelope, as `decode._sequence_part` reads them (it
-    raises `_Bad` the same way); `source.<field>` paths read without building a dict."""
+def _sequence_reader(plan: DecodePlan):
+    """The sequence parts of a parsed envelope, as `envelope.sequence_part` reads them (it
+    raises `BadRecord` the same way); `source.<field>` paths read without building a dict."""
     readers = []
     for path, kind in plan.sequence:
         root, *rest = path.split(".")
@@ -686,24 +545,16 @@ def _source_bigint(name: str, path: str):
         value = source.get(name) if type(source) is dict else None
         if type(value) is int and -(2**63) <= value < 2**63:
             return value
-        return d._sequence_part({}, path, "bigint")  # raises: missing or not a bigint
+        return sequence_part({}, path, "bigint")  # raises: missing or not a bigint
 
     return read
 
 
 def _any_part(attribute: str, root: str, path: str, kind: str):
     def read(envelope: Any) -> int | str:
-        return d._sequence_part({root: getattr(envelope, attribute)}, path, kind)
+        return sequence_part({root: getattr(envelope, attribute)}, path, kind)
 
     return read
-
-
-def _source_micros(source: Any) -> int | None:
-    """`decode._source_micros` of an envelope's `source`."""
-    millis = source.get("ts_ms") if type(source) is dict else None
-    if type(millis) is not int or not -62_135_596_800_000 <= millis <= 253_402_300_799_999:
-        return None
-    return millis * 1000
 
 
 def _field_name(root: str) -> str:
@@ -716,7 +567,7 @@ def _field_name(root: str) -> str:
 _ENVELOPE_FIELDS = ("op", "after", "before", "source")
 
 
-def _envelope_decoders(plan: d.DecodePlan) -> tuple[msgspec.json.Decoder, msgspec.json.Decoder]:
+def _envelope_decoders(plan: DecodePlan) -> tuple[msgspec.json.Decoder, msgspec.json.Decoder]:
     """Parsers of an envelope into the fields the decoder reads; the rest of the JSON is
     checked but not built (`before` only for a delete). The first reads `after` as a struct of
     the plan's columns (absent ones UNSET, another column refused), the second as a dict."""
@@ -745,84 +596,3 @@ def _envelope_decoders(plan: d.DecodePlan) -> tuple[msgspec.json.Decoder, msgspe
         envelope = msgspec.defstruct("Envelope", fields, rename=rename or None)
         decoders.append(msgspec.json.Decoder(envelope))
     return decoders[0], decoders[1]
-
-
-# --- the exact pass ----------------------------------------------------------------------------
-
-
-def _exact_part(
-    decoder: RecordDecoder,
-    records: _Input,
-    rows: Sequence[int],
-    schema: pa.Schema,
-    tally: Tally,
-    key_range: KeyRange,
-    seen: _Seen,
-) -> _Part:
-    """The records `rows` decoded one by one (`RecordDecoder.decode`)."""
-    plan = decoder.plan
-    width = len(decoder._names)
-    keys, raw = records.keys, records.values
-    partitions, offsets, headers = records.partitions, records.offsets, records.headers
-    columns: list[list] = [[] for _ in range(width)]
-    out_keys, out_values, ops, sequences, source_ts, errors = [], [], [], [], [], []
-    has_columns: list[list] = [[] for _ in plan.toasted]
-    moved: list = []
-    no_values, no_flags = [None] * width, [False] * len(plan.toasted)
-    parts = [path.replace(".", "_") for path, _ in plan.sequence]
-    for i in rows:
-        value, values, meta, error = raw[i], no_values, {}, None
-        decoder.seen = None
-        if value is not None:
-            try:
-                values, meta = decoder.decode(keys[i], value, headers[i])
-            except d._Bad as exc:
-                error, values, meta = str(exc), no_values, {}
-        decoder._count(tally, key_range, value, values, meta, error, partitions[i], offsets[i])
-        for n in range(width):
-            columns[n].append(values[n])
-        ops.append(meta.get("op"))
-        sequence = meta.get("sequence")
-        if sequence is None:
-            sequences.append(None)
-        else:
-            entry = dict(zip(parts, sequence, strict=True))
-            entry["kafka_partition"], entry["kafka_offset"] = partitions[i], offsets[i]
-            sequences.append(entry)
-        source_ts.append(meta.get("source_ts"))
-        errors.append(error)
-        for n, flag in enumerate(meta.get("has") or no_flags):
-            has_columns[n].append(flag)
-        moved.append(meta.get("moved_from"))
-        keep = error is not None or plan.keep_raw
-        out_keys.append(keys[i] if keep else None)
-        out_values.append(value if keep else None)
-        if isinstance(decoder.seen, d.SourceShape):
-            seen.shape.merge(decoder.seen)
-        elif decoder.seen:
-            for name, kind in decoder.seen.items():
-                seen.kind(name, kind, partitions[i], offsets[i])
-    batch = records.batch
-    taken = pa.array(list(rows), pa.int64())
-    arrays = [
-        pa.array(out_keys, pa.binary()),
-        pa.array(out_values, pa.binary()),
-        batch.column("topic").take(taken).cast(pa.string()),
-        *[
-            pa.array(values, schema.field(name).type)
-            for (name, _), values in zip(plan.columns, columns, strict=True)
-        ],
-        pa.array(ops, pa.string()),
-        pa.array(sequences, schema.field(d.SEQUENCE).type),
-        pa.array(source_ts, pa.timestamp("us", tz="UTC")),
-        batch.column("partition").take(taken).cast(pa.int32()),
-        batch.column("offset").take(taken).cast(pa.int64()),
-        batch.column("timestamp").take(taken).cast(pa.timestamp("us", tz="UTC")),
-        pa.array([plan.hour_key] * len(rows), pa.string()),
-        pa.array([op == "d" for op in ops], pa.bool_()),
-        pa.array(errors, pa.string()),
-        batch.column("value").take(taken).is_null(),
-        *[pa.array(flags, pa.bool_()) for flags in has_columns],
-        *([pa.array(moved, schema.field(d.MOVED_FROM).type)] if plan.toasted else []),
-    ]
-    return _Part(list(rows), arrays)
