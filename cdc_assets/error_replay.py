@@ -12,9 +12,10 @@ where they are newer than the mirror's row (I3), so a replay done twice changes 
 Rows that still don't decode go to the error table again, at their new offsets. The error
 table is left as it is; purge the replayed rows afterwards (Delta `DELETE`, then `VACUUM`).
 
-Configuration comes from the environment, as the Definitions' does: `CDC_TABLES_FILE`,
-`CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT` (with the AWS settings of an S3 lake) and
-`CDC_MASKING_KEY` for a sealed error table. It prints counts only, never a row.
+Configuration comes from the environment: `CDC_TABLES_FILE`, and the Definitions' own resources
+(`resources.environment.resources_from_env`: `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT` with
+the AWS settings of an S3 lake, and `CDC_MASKING_KEY` for a sealed error table). It prints
+counts only, never a row.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import dagster as dg
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TableSpec, load_tables
+from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
 from cdc_assets.sealing import is_sealed, unseal_rows
+from resources.environment import MASKING_KEY_ENV, resources_from_env
 from resources.kafka import KafkaResource
-from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
-from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource
-from resources.spark import SparkResource
+from resources.lake import LakeResource
+from resources.masking import HmacKey, MaskingResource
 
 
 class ReplayError(RuntimeError):
@@ -105,11 +107,18 @@ def _raw(data: bytearray | None) -> bytes | None:
     return None if data is None else bytes(data)
 
 
-def _masking_key(spec: TableSpec) -> HmacKey | None:
-    secret = os.environ.get(MASKING_KEY_ENV)
-    if not secret:
-        return None  # replay_errors says whether the error table needs one
-    return MaskingResource(key=secret).hmac_key(table=spec.name, columns=list(spec.sensitive))
+def replay_resources() -> dict[str, dg.ConfigurableResource]:
+    """The Definitions' resources the replay uses; `masking` only when its key is set, since
+    Dagster refuses an unset dg.EnvVar (replay_errors says whether the error table needs it)."""
+    resources = resources_from_env()
+    names = ["kafka", "spark", "lake", *(["masking"] if os.environ.get(MASKING_KEY_ENV) else [])]
+    return {name: resources[name] for name in names}
+
+
+def _masking_key(masking: MaskingResource | None, spec: TableSpec) -> HmacKey | None:
+    if masking is None or not masking.key:
+        return None
+    return masking.hmac_key(table=spec.name, columns=list(spec.sensitive))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,24 +132,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reason", help="only rows whose reason contains this text")
     parser.add_argument("--dry-run", action="store_true", help="count the rows, send nothing")
     args = parser.parse_args(argv)
-    specs = {s.name: s for s in load_tables(os.environ.get("CDC_TABLES_FILE", DEFAULT_TABLES_FILE))}
+    specs = {s.name: s for s in load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE))}
     if args.table not in specs:
         parser.error(f"no table '{args.table}' in the tables file; tables: {sorted(specs)}")
     spec = specs[args.table]
-    outcome = replay_errors(
-        spark=SparkResource().session,
-        kafka=KafkaResource(bootstrap_servers=os.environ["CDC_KAFKA_BOOTSTRAP_SERVERS"]),
-        lake=LakeResource(
-            root=os.environ["CDC_LAKE_ROOT"],
-            s3=s3_resource_from_env(),
-            single_writer=single_writer_from_env(),
-        ),
-        spec=spec,
-        key=_masking_key(spec),
-        hours=args.hour,
-        reason=args.reason,
-        dry_run=args.dry_run,
-    )
+    # Resolved as a run resolves them: the secrets' dg.EnvVar read here, never printed.
+    with dg.build_resources(replay_resources()) as resources:
+        outcome = replay_errors(
+            spark=resources.spark.session,
+            kafka=resources.kafka,
+            lake=resources.lake,
+            spec=spec,
+            key=_masking_key(getattr(resources, "masking", None), spec),
+            hours=args.hour,
+            reason=args.reason,
+            dry_run=args.dry_run,
+        )
     verb = "would produce" if args.dry_run else "produced"
     count = outcome.selected if args.dry_run else outcome.produced
     print(  # noqa: T201  (the command's output: counts only)

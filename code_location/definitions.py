@@ -16,10 +16,7 @@ from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, l
 from cdc_assets.factory import build_mirror_assets
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
 from checks.table_checks import MIRROR_CHECKS, build_retention_check_for
-from resources.kafka import KafkaResource
-from resources.lake import LakeResource, s3_resource_from_env, single_writer_from_env
-from resources.masking import MASKING_KEY_ENV, MaskingResource
-from resources.spark import SparkResource
+from resources.environment import resources_from_env
 from sensors.offset_progress import build_offset_sensor
 from shop_analytics.assets import build_downstream_assets
 from shop_analytics.sensors import build_downstream_sensor
@@ -88,21 +85,7 @@ def build_definitions(
         # One process and one Spark session for all the assets of a run (the maintenance run
         # does every table in one session, table after table).
         executor=dg.in_process_executor,
-        resources={
-            "kafka": KafkaResource(
-                bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS"),
-            ),
-            "spark": SparkResource(),
-            # A folder, or s3://bucket/prefix reached with the AWS settings of the environment;
-            # on S3, safe with several writers unless CDC_LAKE_SINGLE_WRITER says it has one.
-            "lake": LakeResource(
-                root=dg.EnvVar("CDC_LAKE_ROOT"),
-                s3=s3_resource_from_env(),
-                single_writer=single_writer_from_env(),
-            ),
-            # Required only by tables with `sensitive` columns (hashes, the error table's seal).
-            "masking": MaskingResource(key=dg.EnvVar(MASKING_KEY_ENV)),
-        },
+        resources=resources_from_env(),
     )
 
 

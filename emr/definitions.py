@@ -12,7 +12,9 @@ as in-process: keys, hourly partitions, pools, checks), and their offset sensors
 downstream assets (order_facts, daily_sales) and the standalone retention_risk check, which run
 Spark in the run worker; keep them in an in-process code location if you need them.
 
-Environment, read when a run starts (dg.EnvVar), never at import or when the location loads:
+Environment, read when a run starts (dg.EnvVar), never at import (`kafka` and `lake` are the
+in-process deployment's, resources/environment.py, which sees whether CDC_LAKE_SINGLE_WRITER
+and the AWS keys are set when the location loads):
 
     CDC_EMR_SERVERLESS_APPLICATION_ID  the EMR Serverless application (type SPARK)
     CDC_EMR_EXECUTION_ROLE_ARN         the job runtime role
@@ -43,8 +45,7 @@ from dagster_aws.pipes import (
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
 from emr.assets import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_table_asset
-from resources.kafka import KafkaResource
-from resources.lake import LakeResource
+from resources.environment import resources_from_env
 from sensors.offset_progress import build_offset_sensor
 
 # The jars pom.xml resolves into .jars/spark/ (Delta 4.4.0 for Spark 4.2, Spark 4.2.0's Kafka
@@ -122,13 +123,12 @@ class EMROnEC2PipesClient(dg.ConfigurableResource):
 
 
 def shared_resources() -> dict[str, Any]:
-    # Their non-secret settings reach the job in the Pipes extras; give Kafka's security
-    # settings here as in code_location/definitions.py (the password itself goes to the job
-    # through SECRET_ENV, not through these).
-    return {
-        "kafka": KafkaResource(bootstrap_servers=dg.EnvVar("CDC_KAFKA_BOOTSTRAP_SERVERS")),
-        "lake": LakeResource(root=dg.EnvVar("CDC_LAKE_ROOT")),
-    }
+    """The in-process deployment's `kafka` and `lake` (resources/environment.py): their
+    non-secret settings reach the job in the Pipes extras. The run worker runs no Spark and
+    needs no secret; give Kafka's security settings in resources_from_env (the password itself
+    goes to the job through SECRET_ENV, not through these)."""
+    resources = resources_from_env()
+    return {name: resources[name] for name in ("kafka", "lake")}
 
 
 def emr_serverless_resources() -> dict[str, Any]:

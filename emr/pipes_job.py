@@ -13,7 +13,8 @@ the job non-zero.
 Messages go where the client's reader reads: a file (the subprocess client), stdout (EMR
 Serverless: CloudWatch Logs) or S3 (EMR on EC2 with `PipesS3MessageReader`).
 
-Configuration, besides the extras (which never carry a secret):
+Configuration, besides the extras (which never carry a secret), from the variables the
+in-process deployment reads (resources/environment.py names them):
 
 - `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT`: used when the extras don't name them.
 - `CDC_LAKE_SINGLE_WRITER`: `true` lets an S3 lake use Delta's single-driver log store
@@ -67,14 +68,16 @@ from emr.assets import (  # noqa: E402
     KAFKA_SECRET_FIELDS,
     to_pipes_metadata,
 )
+from resources.environment import (  # noqa: E402
+    KAFKA_BOOTSTRAP_ENV,
+    KAFKA_PASSWORD_ENV,
+    LAKE_ROOT_ENV,
+    MASKING_KEY_ENV,
+)
 from resources.kafka import KafkaResource  # noqa: E402
 from resources.lake import LakeResource, single_writer_from_env  # noqa: E402
-from resources.masking import MASKING_KEY_ENV, HmacKey, MaskingResource  # noqa: E402
+from resources.masking import HmacKey, MaskingResource  # noqa: E402
 from resources.spark import PARQUET_TIMESTAMPS  # noqa: E402
-
-KAFKA_BOOTSTRAP_ENV = "CDC_KAFKA_BOOTSTRAP_SERVERS"
-KAFKA_PASSWORD_ENV = "CDC_KAFKA_SASL_PASSWORD"
-LAKE_ROOT_ENV = "CDC_LAKE_ROOT"
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 # What the project's results depend on, set as SparkResource sets them (resources/spark.py),
