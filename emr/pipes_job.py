@@ -13,8 +13,10 @@ the job non-zero.
 Messages go where the client's reader reads: a file (the subprocess client), stdout (EMR
 Serverless: CloudWatch Logs) or S3 (EMR on EC2 with `PipesS3MessageReader`).
 
-Configuration, besides the extras (which never carry a secret), from the variables the
-in-process deployment reads (resources/environment.py names them):
+The session is the cluster's with SparkResource's own settings (`SparkResource.session_conf`):
+those the results rest on always, the others where the cluster set none. Configuration, besides
+the extras (which never carry a secret), from the variables the in-process deployment reads
+(resources/environment.py names them):
 
 - `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT`: used when the extras don't name them.
 - `CDC_LAKE_SINGLE_WRITER`: `true` lets an S3 lake use Delta's single-driver log store
@@ -77,29 +79,7 @@ from resources.environment import (  # noqa: E402
 from resources.kafka import KafkaResource  # noqa: E402
 from resources.lake import LakeResource, single_writer_from_env  # noqa: E402
 from resources.masking import HmacKey, MaskingResource  # noqa: E402
-from resources.spark import PARQUET_TIMESTAMPS  # noqa: E402
-
-DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
-# What the project's results depend on, set as SparkResource sets them (resources/spark.py),
-# whatever the cluster's defaults: Delta's catalog, UTC hours and timestamps, timestamps in
-# Parquet that every reader reads right, and secrets kept out of Spark's logged configuration.
-REQUIRED_CONF = {
-    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-    "spark.sql.session.timeZone": "UTC",
-    "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
-    **PARQUET_TIMESTAMPS,
-}
-# SparkResource's defaults for what spark-submit may set otherwise (an hour is small).
-DEFAULT_CONF = {
-    "spark.sql.shuffle.partitions": "8",
-    "spark.databricks.delta.snapshotPartitions": "4",
-    "spark.sql.codegen.cache.maxEntries": "1000",
-    "spark.ui.showConsoleProgress": "false",
-    "spark.buffer.pageSize": "2097136b",
-    "spark.sql.ui.retainedExecutions": "100",
-    "spark.ui.retainedJobs": "100",
-    "spark.ui.retainedStages": "100",
-}
+from resources.spark import DELTA_EXTENSION, REQUIRED_SESSION_CONF, SparkResource  # noqa: E402
 
 
 class JobConfigError(RuntimeError):
@@ -166,17 +146,23 @@ def job_masking_key(spec: TableSpec) -> HmacKey | None:
 
 
 def session_conf(submitted: Mapping[str, str]) -> dict[str, str]:
-    """The session settings to add to what spark-submit (or the cluster) set."""
-    conf = {key: value for key, value in DEFAULT_CONF.items() if key not in submitted}
+    """The session settings to add to what spark-submit (or the cluster) set: SparkResource's
+    own (its defaults), those the results rest on always, the others where nothing was
+    submitted, and Delta's extension beside the submitted ones."""
+    conf = {
+        key: value
+        for key, value in SparkResource().session_conf().items()
+        if key in REQUIRED_SESSION_CONF or key not in submitted
+    }
     extensions = [e.strip() for e in submitted.get("spark.sql.extensions", "").split(",")]
     extensions = [e for e in extensions if e]
     if DELTA_EXTENSION not in extensions:
         conf["spark.sql.extensions"] = ",".join([*extensions, DELTA_EXTENSION])
-    return conf | REQUIRED_CONF
+    return conf
 
 
 def job_session() -> SparkSession:
-    """The session of the cluster (spark-submit created its JVM), Delta configured."""
+    """The session of the cluster (spark-submit created its JVM), set up as SparkResource's."""
     # py4j's DEBUG trace prints every call into the JVM with its arguments, the Kafka login
     # among them: it never goes below INFO (as in resources/spark.py).
     py4j = logging.getLogger("py4j")

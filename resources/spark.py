@@ -3,7 +3,9 @@
 The jars come from `.jars/spark/`, which `mvn package` fills from pom.xml; nothing is
 downloaded when the session starts. One session is shared by everything in a process. With the
 S3A jars comes Delta's log store for s3a paths that is safe with several writers
-(`.jars/log-store/`, jvm/log-store, compiled by scripts/install.sh).
+(`.jars/log-store/`, jvm/log-store, compiled by scripts/install.sh). The settings of the
+session itself (`SparkResource.session_conf`) are also what the EMR Pipes job sets on the
+session a cluster gives it (emr/pipes_job.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ PARQUET_TIMESTAMPS = {
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
     "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
     "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
+}
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+# What the project's results rest on, whatever a cluster's defaults: Delta's catalog, UTC hours
+# and timestamps, timestamps in Parquet that every reader reads right, and secrets (in Kafka
+# options and S3 settings) kept out of Spark's logged configuration.
+REQUIRED_SESSION_CONF = {
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
+    **PARQUET_TIMESTAMPS,
 }
 
 
@@ -216,29 +228,33 @@ class SparkResource(dg.ConfigurableResource):
 
     _pyspark: LazyPySparkResource | None = PrivateAttr(default=None)
 
+    def session_conf(self) -> dict[str, str]:
+        """The settings of the session itself, wherever it runs: REQUIRED_SESSION_CONF and the
+        sizes for small hours. The EMR Pipes job sets them on its cluster's session too
+        (emr/pipes_job.py); where the session runs and with what is `spark_config`'s."""
+        return {
+            "spark.sql.shuffle.partitions": str(self.shuffle_partitions),
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.ui.retainedExecutions": str(self.retained_queries),
+            "spark.ui.retainedJobs": str(self.retained_queries),
+            "spark.ui.retainedStages": str(self.retained_queries),
+            "spark.buffer.pageSize": self.memory_page_size,
+            "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),
+            "spark.sql.codegen.cache.maxEntries": str(self.codegen_cache_entries),
+            **REQUIRED_SESSION_CONF,
+        }
+
     def spark_config(self) -> dict[str, Any]:
         conf = {
             "spark.master": self.master,
             "spark.app.name": self.app_name,
             "spark.jars": ",".join(spark_jars(Path(self.jars_dir))),
             "spark.driver.memory": self.driver_memory,
-            "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-            "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-            "spark.sql.shuffle.partitions": str(self.shuffle_partitions),
-            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.extensions": DELTA_EXTENSION,
             "spark.ui.enabled": str(self.ui_enabled).lower(),
-            "spark.ui.showConsoleProgress": "false",
-            "spark.sql.ui.retainedExecutions": str(self.retained_queries),
-            "spark.ui.retainedJobs": str(self.retained_queries),
-            "spark.ui.retainedStages": str(self.retained_queries),
-            "spark.buffer.pageSize": self.memory_page_size,
-            # Secrets in Kafka options and S3 settings stay out of Spark's logged configuration.
-            "spark.redaction.regex": "(?i)secret|password|token|access[.]?key|jaas",
-            "spark.databricks.delta.snapshotPartitions": str(self.delta_snapshot_partitions),
-            "spark.sql.codegen.cache.maxEntries": str(self.codegen_cache_entries),
             # A run's tables share the executors fairly (cdc_assets/fleet.py).
             "spark.scheduler.mode": "FAIR",
-            **PARQUET_TIMESTAMPS,
+            **self.session_conf(),
         }
         class_path = s3_class_path(Path(self.s3_jars_dir))
         if class_path:

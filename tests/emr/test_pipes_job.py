@@ -18,9 +18,9 @@ import pytest
 
 from checks.table_checks import run_check_names
 from emr.assets import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_table_asset
-from emr.pipes_job import REQUIRED_CONF, session_conf
+from emr.pipes_job import session_conf
 from resources.lake import LakeResource
-from resources.spark import DEFAULT_JARS_DIR, SparkResource
+from resources.spark import DEFAULT_JARS_DIR, REQUIRED_SESSION_CONF, SparkResource
 from tests.faults import table
 from tests.support import diff_rows, mirror_rows, read_records
 
@@ -225,10 +225,37 @@ def test_the_emr_configuration_loads_without_aws_and_ships_the_poms_jars(monkeyp
         "spark.emr-serverless.driverEnv.CDC_KAFKA_SASL_PASSWORD": "EMR.secret@cdc/kafka"
     }
 
-    # The job's session keeps what the cluster set, adds Delta, and forces what results rest on,
-    # as the in-process SparkResource sets it.
-    conf = session_conf({"spark.sql.extensions": "x.Ext", "spark.sql.shuffle.partitions": "64"})
-    assert conf["spark.sql.extensions"] == "x.Ext,io.delta.sql.DeltaSparkSessionExtension"
-    assert "spark.sql.shuffle.partitions" not in conf
-    local = SparkResource().spark_config()
-    assert {key: local[key] for key in REQUIRED_CONF} == REQUIRED_CONF
+
+# What spark-submit and the cluster decide for the job: where and with what its session runs.
+LEFT_TO_THE_CLUSTER = {
+    "spark.master",
+    "spark.app.name",
+    "spark.jars",
+    "spark.driver.memory",
+    "spark.sql.extensions",  # the job adds Delta's to the cluster's
+    "spark.ui.enabled",
+    "spark.scheduler.mode",
+}
+
+
+def test_the_jobs_session_has_every_setting_sparkresource_gives_its_own(tmp_path):
+    # A setting SparkResource adds to spark_config outside session_conf would be missing from
+    # the job's session, and an hour on EMR would run differently from one in process.
+    jars = tmp_path / "jars"
+    jars.mkdir()
+    for name in ("delta-spark_4.2_2.13-4.4.0.jar", "spark-sql-kafka-0-10_2.13-4.2.0.jar"):
+        (jars / name).touch()
+    local = SparkResource(
+        jars_dir=str(jars), s3_jars_dir=str(tmp_path / "none"), jvm_archive_dir=None
+    ).spark_config()
+    on_the_cluster = session_conf({})
+    assert on_the_cluster.pop("spark.sql.extensions") == "io.delta.sql.DeltaSparkSessionExtension"
+    assert {k: v for k, v in local.items() if k not in LEFT_TO_THE_CLUSTER} == on_the_cluster
+
+    # What the cluster set is kept, but for what the results rest on; Delta joins its extensions.
+    submitted = {key: "the cluster's" for key in on_the_cluster}
+    conf = session_conf({**submitted, "spark.sql.extensions": "x.Ext"})
+    assert conf == {
+        **REQUIRED_SESSION_CONF,
+        "spark.sql.extensions": "x.Ext,io.delta.sql.DeltaSparkSessionExtension",
+    }

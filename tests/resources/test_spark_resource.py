@@ -119,30 +119,3 @@ def test_the_class_archive_follows_the_jars_behind_a_class_path_wildcard(tmp_pat
     before = jvm_archive.archive_path(conf, tmp_path)
     os.utime(s3 / "hadoop-aws-3.5.0.jar", ns=(0, 0))  # the same jar copied again: another time
     assert jvm_archive.archive_path(conf, tmp_path) != before
-
-
-# What spark-submit and the cluster decide for the EMR job (emr/pipes_job.py adds Delta's
-# extension to theirs): everything else SparkResource sets, the job sets too.
-LEFT_TO_THE_CLUSTER = {
-    "spark.master",
-    "spark.app.name",
-    "spark.jars",
-    "spark.driver.memory",
-    "spark.sql.extensions",
-    "spark.ui.enabled",
-    "spark.scheduler.mode",
-}
-
-
-def test_the_emr_job_sets_every_setting_sparkresource_does_with_its_values(tmp_path):
-    # emr/pipes_job.py runs without SparkResource (spark-submit builds its session) and repeats
-    # its settings; one added or changed in one place only would make the two runs differ.
-    from emr.pipes_job import DEFAULT_CONF, REQUIRED_CONF
-
-    conf = SparkResource(
-        jars_dir=str(_dir(tmp_path / "jars", *JARS)),
-        s3_jars_dir=str(tmp_path / "none"),
-        jvm_archive_dir=None,
-    ).spark_config()
-    ours = {key: value for key, value in conf.items() if key not in LEFT_TO_THE_CLUSTER}
-    assert ours == DEFAULT_CONF | REQUIRED_CONF
