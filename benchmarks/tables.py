@@ -33,10 +33,9 @@ from cdc_assets.columns import (
     SEQUENCE,
     SOURCE_TS,
 )
-from cdc_assets.commits import commit_metadata
+from cdc_assets.commits import MIRROR_NEWEST, commit_metadata
 from cdc_assets.config import TableSpec
 from cdc_assets.decoding.spark import decode
-from cdc_assets.hour_run import MIRROR_NEWEST
 from cdc_assets.merge import ensure_mirror_table
 from cdc_assets.read import KAFKA_SCHEMA
 from cdc_assets.rule import mirror_columns

@@ -14,7 +14,6 @@ per key); the asset then evaluates every check of the hour from the run's `HourR
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -22,17 +21,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from cdc_assets.config import TableSpec
-    from cdc_assets.hour_run import HourResult
-
-
-@dataclass(frozen=True)
-class KeyCounts:
-    """The primary key's uniqueness among the mirror's live rows under the hour's keys, as the
-    run counted it (`merge.MergeOutcome.duplicate_rows`): the rows the mirror held for them
-    before the MERGE, and the rows the MERGE inserted for keys that already had one."""
-
-    keys: int
-    duplicates: int
+    from cdc_assets.results import HourResult, KeyCounts
 
 
 class AuditVerdict(Protocol):

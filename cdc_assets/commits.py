@@ -207,3 +207,55 @@ def spark_hour_history(spark: SparkSession, path: str) -> tuple[int | None, list
         if isinstance(meta, dict) and "slice" in meta:
             history.append({"version": row["version"], **meta})
     return max(row["version"] for row in rows), history
+
+
+# --- what the runs recorded, read back -----------------------------------------------------
+
+
+def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int, int] | None:
+    """The newest recorded run's `edge` ("start"/"end") offsets of an hour, or None."""
+    for commit in history:  # newest first
+        if commit.get("hour") == hour_key:
+            parts = commit["slice"]["partitions"]
+            return {int(p): offsets[edge] for p, offsets in parts.items()}
+    return None
+
+
+def known_starts(
+    history: list[dict], hour_key: str, previous_end: dict[int, int] | None
+) -> dict[int, int]:
+    """Where the hour begins by the log of earlier runs, per partition.
+
+    The newest recorded end of the hour before wins (consecutive slices must share it); else
+    this hour's own last recorded start; else nothing is known.
+    """
+    if previous_end is not None:
+        return previous_end
+    return recorded_offsets(history, hour_key, "start") or {}
+
+
+MIRROR_NEWEST = "mirror_newest_ms"
+
+
+# Marks the commit that fills moved rows' TOASTed values, after the run's MERGE (`toast`).
+MOVED_ROWS = "moved_rows"
+
+
+def recorded_mirror_newest(
+    spark: SparkSession, path: str, history: list[dict], version: int | None
+) -> int | None:
+    """The mirror's newest source timestamp (ms) as the newest run recorded it; a table whose
+    runs predate the record is read once (the next commit records it)."""
+    if version is None:
+        return None
+    if history and MIRROR_NEWEST in history[0]:
+        return history[0][MIRROR_NEWEST]
+    return mirror_newest_ms(spark, path, version)
+
+
+def truncate_watermark(history: list[dict], hour_truncate: list | None) -> list | None:
+    """The newest truncate's sequence among the recorded runs and this hour, or None."""
+    found = [c["truncated_before"] for c in history if c.get("truncated_before") is not None]
+    if hour_truncate is not None:
+        found.append(hour_truncate)
+    return list(max(tuple(v) for v in found)) if found else None

@@ -23,10 +23,11 @@ from cdc_assets import rule
 from cdc_assets.checking import MirrorChecks
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableRun, TableWork, run_tables
-from cdc_assets.hour_run import HourResult, SequenceConfigError, TruncateError
+from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
 from cdc_assets.partitions import hourly_partitions, mirrors_pool, table_pool
+from cdc_assets.results import HourResult
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
 from resources.lake import LakeConfigError, LakeResource

@@ -24,7 +24,8 @@ from pyspark.sql import SparkSession
 
 from cdc_assets.checking import MirrorChecks
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import HourResult, run_hour
+from cdc_assets.hour_run import run_hour
+from cdc_assets.results import HourResult
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import HmacKey

@@ -30,7 +30,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import toast
-from cdc_assets.checking import AuditVerdict, KeyCounts, MirrorChecks
+from cdc_assets.checking import AuditVerdict, MirrorChecks
 from cdc_assets.columns import (
     DELETED,
     ERROR,
@@ -45,12 +45,17 @@ from cdc_assets.columns import (
     TRUNCATE,
 )
 from cdc_assets.commits import (
+    MIRROR_NEWEST,
+    MOVED_ROWS,
     commit_metadata,
     current_version,
     delta_log,
     hour_history,
-    mirror_newest_ms,
+    known_starts,
     record_run,
+    recorded_mirror_newest,
+    recorded_offsets,
+    truncate_watermark,
 )
 from cdc_assets.config import TableSpec, typed_default
 from cdc_assets.decoding.shape import SourceShape, added_column_types
@@ -62,6 +67,7 @@ from cdc_assets.ledger import DeltaLog
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_schema
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
+from cdc_assets.results import HourCounts, HourResult, KeyCounts
 from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
 from resources.kafka import KafkaResource
@@ -447,137 +453,6 @@ class _Frames:
             frame.unpersist()
 
 
-@dataclass(frozen=True)
-class HourCounts:
-    """I2: consumed = applied + superseded + stale + tombstones + errors (checks/invariants).
-
-    Each figure is counted where it happens, not derived from the others, so the identity can
-    fail: `consumed` by the reader (the records Kafka returned), `tombstones` and `errors` by the
-    decoder and the audit, `superseded` on the batch (applicable changes minus the distinct keys
-    among them), `applied` and `stale` from the MERGE's own operation metrics (the rows it wrote,
-    and its source rows it did not write). `distinct_keys` and `merge_source_rows` are the two
-    counts of the hour's keys (the batch's, Delta's): a newest-change-per-key step that lost or
-    doubled a key makes them differ, and the identity fail.
-    """
-
-    consumed: int
-    applied: int
-    superseded: int
-    stale: int
-    tombstones: int
-    errors: int
-    distinct_keys: int = 0
-    merge_source_rows: int = 0
-    # Counted by Kafka's own consumers when the reader got fewer records than the slice has
-    # offsets (transaction markers, aborted records, compaction); None when it got them all.
-    census: OffsetCensus | None = None
-
-    @classmethod
-    def counted(
-        cls,
-        consumed: int,
-        tally: Tally,
-        errors: int,
-        outcome: MergeOutcome,
-        distinct_keys: int,
-        older_than_truncate: int,
-        census: OffsetCensus | None,
-    ) -> HourCounts:
-        """The figures of a run, each from where it was counted: `consumed` by the reader, the
-        tally by the decoder, `errors` by the decoder and the audit, the MERGE's by Delta
-        (operationMetrics). Truncate records count as applied, changes older than a truncate
-        as stale; the audit's held-back changes are errors, not changes."""
-        changes = tally.changes - (errors - tally.errors)
-        return cls(
-            consumed=consumed,
-            applied=outcome.applied + tally.truncates,
-            superseded=changes - older_than_truncate - distinct_keys,
-            stale=outcome.merged_keys - outcome.applied + older_than_truncate,
-            tombstones=tally.tombstones,
-            errors=errors,
-            distinct_keys=distinct_keys,
-            merge_source_rows=outcome.merged_keys,
-            census=census,
-        )
-
-
-@dataclass(frozen=True)
-class HourResult:
-    table: str
-    hour_key: str
-    slice: HourSlice
-    counts: HourCounts
-    rows_inserted: int
-    rows_updated: int
-    rows_deleted: int
-    delta_version: int | None
-    partial: bool
-    newest_source_ts: datetime | None
-    finished_at: datetime
-    error_reasons: dict[str, int] = field(default_factory=dict)
-    # The MERGE commit that wrote this hour's changes; None when nothing was newer.
-    merge_version: int | None = None
-    # The previous hour's recorded end offsets when this hour ran; None: no run on record.
-    previous_end: dict[int, int] | None = None
-    # What the hour's records told of the source's columns (encodings, mismatches, new ones).
-    source_fields: SourceShape = field(default_factory=SourceShape)
-    # The hard expectations' verdict; None when the table declares none.
-    audit: AuditVerdict | None = None
-    # The other expectations' verdicts, on the hour's newest change per key (`MirrorChecks`).
-    expectations: tuple[object, ...] = ()
-    # The newest source timestamp among the changes the mirror has taken, this run's included
-    # (recorded in each run's commit as a running maximum, so no run scans the table for it).
-    mirror_newest: datetime | None = None
-    # Undeclared columns `new_columns: add` did not add: the table has sensitive columns.
-    withheld_columns: tuple[str, ...] = ()
-
-    @property
-    def lag_seconds(self) -> float | None:
-        if self.newest_source_ts is None:
-            return None
-        return (self.finished_at - self.newest_source_ts).total_seconds()
-
-
-def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int, int] | None:
-    """The newest recorded run's `edge` ("start"/"end") offsets of an hour, or None."""
-    for commit in history:  # newest first
-        if commit.get("hour") == hour_key:
-            parts = commit["slice"]["partitions"]
-            return {int(p): offsets[edge] for p, offsets in parts.items()}
-    return None
-
-
-def known_starts(
-    history: list[dict], hour_key: str, previous_end: dict[int, int] | None
-) -> dict[int, int]:
-    """Where the hour begins by the log of earlier runs, per partition.
-
-    The newest recorded end of the hour before wins (consecutive slices must share it); else
-    this hour's own last recorded start; else nothing is known.
-    """
-    if previous_end is not None:
-        return previous_end
-    return recorded_offsets(history, hour_key, "start") or {}
-
-
-MIRROR_NEWEST = "mirror_newest_ms"
-
-# Marks the commit that fills moved rows' TOASTed values, after the run's MERGE (`toast`).
-MOVED_ROWS = "moved_rows"
-
-
-def recorded_mirror_newest(
-    spark: SparkSession, path: str, history: list[dict], version: int | None
-) -> int | None:
-    """The mirror's newest source timestamp (ms) as the newest run recorded it; a table whose
-    runs predate the record is read once (the next commit records it)."""
-    if version is None:
-        return None
-    if history and MIRROR_NEWEST in history[0]:
-        return history[0][MIRROR_NEWEST]
-    return mirror_newest_ms(spark, path, version)
-
-
 def _newer(a: int | None, b: int | None) -> int | None:
     return max((v for v in (a, b) if v is not None), default=None)
 
@@ -588,14 +463,6 @@ def _from_ms(ms: int | None) -> datetime | None:
 
 class TruncateError(RuntimeError):
     """A truncate event in an hour of a table configured with on_truncate: fail."""
-
-
-def truncate_watermark(history: list[dict], hour_truncate: list | None) -> list | None:
-    """The newest truncate's sequence among the recorded runs and this hour, or None."""
-    found = [c["truncated_before"] for c in history if c.get("truncated_before") is not None]
-    if hour_truncate is not None:
-        found.append(hour_truncate)
-    return list(max(tuple(v) for v in found)) if found else None
 
 
 def sequence_value(sequence_type: T.StructType, values: list) -> Column:

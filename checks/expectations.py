@@ -31,9 +31,9 @@ import dagster as dg
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.checking import KeyCounts
 from cdc_assets.columns import DELETED, KAFKA_OFFSET, KAFKA_PARTITION, OP
 from cdc_assets.config import ExpectationSpec, TableSpec, spark_type
+from cdc_assets.results import KeyCounts
 
 PK_NOT_NULL = "primary_key_not_null"
 PK_UNIQUE = "primary_key_unique"

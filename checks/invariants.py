@@ -49,8 +49,8 @@ from cdc_assets.config import (
     RetentionPolicy,
     TableSpec,
 )
-from cdc_assets.hour_run import HourResult
 from cdc_assets.hours import hour_start
+from cdc_assets.results import HourResult
 from resources.kafka import TopicRetention
 
 COMPLETE_HOUR = "complete_hour"

@@ -11,11 +11,10 @@ import dagster as dg
 from kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
-from cdc_assets.checking import KeyCounts
-from cdc_assets.commits import hour_history
+from cdc_assets.commits import hour_history, recorded_offsets
 from cdc_assets.config import TableSpec
-from cdc_assets.hour_run import HourResult, recorded_offsets
 from cdc_assets.partitions import hourly_partitions
+from cdc_assets.results import HourResult, KeyCounts
 from cdc_assets.toast import unknown_live_rows
 from checks.expectations import (
     Audit,

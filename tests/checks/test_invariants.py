@@ -16,8 +16,8 @@ from cdc_assets.config import (
     TableSpec,
 )
 from cdc_assets.decoding.shape import SourceShape
-from cdc_assets.hour_run import HourCounts, HourResult
 from cdc_assets.read import OffsetCensus
+from cdc_assets.results import HourCounts, HourResult
 from cdc_assets.slicing import HourSlice, PartitionSlice
 from checks.invariants import (
     accounting_result,

@@ -8,9 +8,9 @@ from delta.exceptions import ConcurrentAppendException
 from pydantic import ValidationError
 
 from cdc_assets import commits
+from cdc_assets.commits import truncate_watermark
 from cdc_assets.config import TableSpec
 from cdc_assets.decoding.shape import SourceShape, added_column_types
-from cdc_assets.hour_run import truncate_watermark
 
 
 def test_a_lost_commit_race_is_retried_then_named(monkeypatch):

@@ -1,0 +1,122 @@
+"""What a table-hour's run returns: its counts (`HourCounts`, I2's terms) and `HourResult`.
+
+Plain values, no Spark: the asset turns them into metadata and check results, the checks judge
+them, the fleet collects them. The accounting (`HourCounts.counted`) sits beside the identity it
+must satisfy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from cdc_assets.decoding.shape import SourceShape
+
+if TYPE_CHECKING:
+    from cdc_assets.checking import AuditVerdict
+    from cdc_assets.decoding.tally import Tally
+    from cdc_assets.merge import MergeOutcome
+    from cdc_assets.read import OffsetCensus
+    from cdc_assets.slicing import HourSlice
+
+
+@dataclass(frozen=True)
+class KeyCounts:
+    """The primary key's uniqueness among the mirror's live rows under the hour's keys, as the
+    run counted it (`merge.MergeOutcome.duplicate_rows`): the rows the mirror held for them
+    before the MERGE, and the rows the MERGE inserted for keys that already had one."""
+
+    keys: int
+    duplicates: int
+
+
+@dataclass(frozen=True)
+class HourCounts:
+    """I2: consumed = applied + superseded + stale + tombstones + errors (checks/invariants).
+
+    Each figure is counted where it happens, not derived from the others, so the identity can
+    fail: `consumed` by the reader (the records Kafka returned), `tombstones` and `errors` by the
+    decoder and the audit, `superseded` on the batch (applicable changes minus the distinct keys
+    among them), `applied` and `stale` from the MERGE's own operation metrics (the rows it wrote,
+    and its source rows it did not write). `distinct_keys` and `merge_source_rows` are the two
+    counts of the hour's keys (the batch's, Delta's): a newest-change-per-key step that lost or
+    doubled a key makes them differ, and the identity fail.
+    """
+
+    consumed: int
+    applied: int
+    superseded: int
+    stale: int
+    tombstones: int
+    errors: int
+    distinct_keys: int = 0
+    merge_source_rows: int = 0
+    # Counted by Kafka's own consumers when the reader got fewer records than the slice has
+    # offsets (transaction markers, aborted records, compaction); None when it got them all.
+    census: OffsetCensus | None = None
+
+    @classmethod
+    def counted(
+        cls,
+        consumed: int,
+        tally: Tally,
+        errors: int,
+        outcome: MergeOutcome,
+        distinct_keys: int,
+        older_than_truncate: int,
+        census: OffsetCensus | None,
+    ) -> HourCounts:
+        """The figures of a run, each from where it was counted: `consumed` by the reader, the
+        tally by the decoder, `errors` by the decoder and the audit, the MERGE's by Delta
+        (operationMetrics). Truncate records count as applied, changes older than a truncate
+        as stale; the audit's held-back changes are errors, not changes."""
+        changes = tally.changes - (errors - tally.errors)
+        return cls(
+            consumed=consumed,
+            applied=outcome.applied + tally.truncates,
+            superseded=changes - older_than_truncate - distinct_keys,
+            stale=outcome.merged_keys - outcome.applied + older_than_truncate,
+            tombstones=tally.tombstones,
+            errors=errors,
+            distinct_keys=distinct_keys,
+            merge_source_rows=outcome.merged_keys,
+            census=census,
+        )
+
+
+@dataclass(frozen=True)
+class HourResult:
+    table: str
+    hour_key: str
+    slice: HourSlice
+    counts: HourCounts
+    rows_inserted: int
+    rows_updated: int
+    rows_deleted: int
+    delta_version: int | None
+    partial: bool
+    newest_source_ts: datetime | None
+    finished_at: datetime
+    error_reasons: dict[str, int] = field(default_factory=dict)
+    # The MERGE commit that wrote this hour's changes; None when nothing was newer.
+    merge_version: int | None = None
+    # The previous hour's recorded end offsets when this hour ran; None: no run on record.
+    previous_end: dict[int, int] | None = None
+    # What the hour's records told of the source's columns (encodings, mismatches, new ones).
+    source_fields: SourceShape = field(default_factory=SourceShape)
+    # The hard expectations' verdict; None when the table declares none.
+    audit: AuditVerdict | None = None
+    # The other expectations' verdicts, on the hour's newest change per key (`MirrorChecks`).
+    expectations: tuple[object, ...] = ()
+    # The newest source timestamp among the changes the mirror has taken, this run's included
+    # (recorded in each run's commit as a running maximum, so no run scans the table for it).
+    mirror_newest: datetime | None = None
+    # Undeclared columns `new_columns: add` did not add: the table has sensitive columns.
+    withheld_columns: tuple[str, ...] = ()
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.newest_source_ts is None:
+            return None
+        return (self.finished_at - self.newest_source_ts).total_seconds()
