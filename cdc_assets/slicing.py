@@ -1,34 +1,22 @@
 """Which Kafka offsets belong to an hour, and whether the hour may be read yet.
 
 The slice of hour [t0, t1) in partition p is [b_p(t0), b_p(t1)), where b_p(t) is the first
-offset whose timestamp is at or after t (Kafka's `offsets_for_times`), or the partition's end
-(the last stable offset, since we read committed data only) when no such message exists.
+offset stamped at or after t (`offsets_for_times`), or the partition's last stable offset when
+there is none. b_p is monotonic in t even when producer timestamps are not ({o : ts(o) >= t1} is
+a subset of {o : ts(o) >= t0}), so consecutive hours share their boundaries and every offset
+belongs to exactly one hour (I1): slices follow the log, never reorder it. Where the previous
+hour's end is on record (the mirror's Delta log holds every run's slice), the hour starts there
+instead, so a late record that lands after an idle hour closed falls into the next hour.
 
-b_p is monotonic in t even when producer timestamps are not, because {o : ts(o) >= t1} is a
-subset of {o : ts(o) >= t0} for t1 > t0. So consecutive hours share their boundary offsets and
-every offset belongs to exactly one hour (I1). A message whose producer timestamp lies in H
-but which was written after a message stamped H+1 belongs to the slice of H+1: slices follow the
-log, never reorder it.
+An hour is closed (I5) when each partition holds a committed message stamped at or after t1, or
+has been idle past the table's allowed lateness. An open transaction (last stable offset below
+the high watermark) may still commit records of the hour and keeps it open until Kafka ends it.
+An open hour is sliced only when forced, up to the current ends. `open_reason` is the one place
+this rule lives; the offset sensor (sensors/) applies it before it requests an hour.
 
-The boundary can still move after an hour ran: when a partition was idle and the hour closed by
-lateness, its end was the partition's end at the time, and a late record stamped inside the
-hour may land there afterwards. So where the previous hour's end is on record (the Delta log
-of the mirror holds every run's slice), the hour starts there instead of at b_p(t0): nothing
-falls between two hours.
-
-An hour is closed (I5) when each partition has moved past it, i.e. holds a message stamped at
-or after t1 within its committed range, or has been idle past the table's allowed lateness.
-A partition with an open transaction (its last stable offset below its high watermark) is not
-idle: the transaction may still commit records of the hour, so it keeps the hour open until it
-ends (Kafka aborts a transaction after its timeout, 15 minutes at most by default).
-An open hour is only sliced when a person forces it; its end offsets are then the current
-ends and the result says so. `cdc_assets/slicing.py` is the one place this rule lives: the
-offset sensor (sensors/) applies the same `open_reason` before it requests an hour.
-
-Retention (I6): Kafka's log start offset tells which offsets are gone. When what we know of
-the hour's true start (a previous run of this hour, or the end of the hour before) lies below
-the log start, the offsets in between are lost. With no such record, a slice that begins
-exactly at a non-zero log start cannot prove nothing older belonged to it, and is reported too.
+Retention (I6): offsets below Kafka's log start are gone. When the hour's known start (an earlier
+run of it, or the previous hour's end) lies below the log start, the offsets between are lost;
+with no such record, a slice that begins exactly at a non-zero log start is reported too.
 """
 
 from __future__ import annotations
@@ -38,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndTimestamp
 
 
 class SliceError(RuntimeError):
@@ -193,44 +182,15 @@ def compute_slice(
     hour_end = hour_start + timedelta(hours=1)
     tps = topic_partitions(consumer, table=table, topic=topic)
     known_starts = known_starts or {}
-    log_starts = consumer.beginning_offsets(tps)
-    at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})
-    at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
-    # Last stable offsets (read_committed), fetched last: every offset found above lies below.
-    stable_ends = consumer.end_offsets(tps)
-    pending = open_transactions(uncommitted, stable_ends) if uncommitted is not None else set()
-
-    slices, waiting, in_transaction = [], [], []
-    for tp in tps:
-        stable_end = stable_ends[tp]
-        end = at_end[tp].offset if at_end[tp] is not None else stable_end
-        moved_past = at_end[tp] is not None
-        start = known_starts.get(tp.partition)
-        if start is None and starts_cover_topic:
-            start = 0  # added since the previous hour ran; below the log start it is loss
-        if start is None:
-            start = at_start[tp].offset if at_start[tp] is not None else stable_end
-        # Never read below what retention left; the loss is reported below.
-        start = min(max(start, log_starts[tp]), end)
-        if not moved_past:
-            waiting.append(tp.partition)
-            if tp in pending:
-                in_transaction.append(tp.partition)
-        slices.append(
-            PartitionSlice(
-                partition=tp.partition,
-                start=start,
-                end=end,
-                log_start=log_starts[tp],
-                moved_past=moved_past,
-            )
-        )
+    offsets = _look_up_offsets(consumer, tps, hour_start, hour_end, uncommitted)
+    slices = [_partition_slice(tp, offsets, known_starts, starts_cover_topic) for tp in tps]
+    waiting = [tp for tp in tps if offsets.at_end[tp] is None]
     reason = open_reason(
         hour_end=hour_end,
         now=now,
         allowed_lateness=allowed_lateness,
-        waiting=waiting,
-        in_transaction=in_transaction,
+        waiting=[tp.partition for tp in waiting],
+        in_transaction=[tp.partition for tp in waiting if tp in offsets.pending],
     )
     return HourSlice(
         topic=topic,
@@ -240,6 +200,61 @@ def compute_slice(
         closed=reason is None,
         open_reason=reason,
         lost=tuple(_lost_ranges(slices, known_starts)),
+    )
+
+
+@dataclass(frozen=True)
+class _Offsets:
+    """What Kafka holds at the hour's edges, per partition (`_look_up_offsets`)."""
+
+    log_starts: Mapping[TopicPartition, int]
+    at_start: Mapping[TopicPartition, OffsetAndTimestamp | None]  # first stamped >= hour start
+    at_end: Mapping[TopicPartition, OffsetAndTimestamp | None]  # first stamped >= hour end
+    stable_ends: Mapping[TopicPartition, int]  # last stable offsets (read_committed ends)
+    pending: set[TopicPartition]  # open transactions
+
+
+def _look_up_offsets(
+    consumer: KafkaConsumer,
+    tps: list[TopicPartition],
+    hour_start: datetime,
+    hour_end: datetime,
+    uncommitted: KafkaConsumer | None,
+) -> _Offsets:
+    """The log starts, the offsets at the hour's edges, the stable ends and open transactions."""
+    log_starts = consumer.beginning_offsets(tps)
+    at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})
+    at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
+    # Last stable offsets (read_committed), fetched last: every offset found above lies below.
+    stable_ends = consumer.end_offsets(tps)
+    pending = open_transactions(uncommitted, stable_ends) if uncommitted is not None else set()
+    return _Offsets(log_starts, at_start, at_end, stable_ends, pending)
+
+
+def _partition_slice(
+    tp: TopicPartition,
+    offsets: _Offsets,
+    known_starts: Mapping[int, int],
+    starts_cover_topic: bool,
+) -> PartitionSlice:
+    """One partition's slice: from the recorded start (else the hour's first offset) to the
+    hour's end (else the stable end), never below the log start."""
+    stable_end = offsets.stable_ends[tp]
+    at_start, at_end = offsets.at_start[tp], offsets.at_end[tp]
+    end = at_end.offset if at_end is not None else stable_end
+    start = known_starts.get(tp.partition)
+    if start is None and starts_cover_topic:
+        start = 0  # added since the previous hour ran; below the log start it is loss
+    if start is None:
+        start = at_start.offset if at_start is not None else stable_end
+    # Never read below what retention left; the loss is reported by `_lost_ranges`.
+    start = min(max(start, offsets.log_starts[tp]), end)
+    return PartitionSlice(
+        partition=tp.partition,
+        start=start,
+        end=end,
+        log_start=offsets.log_starts[tp],
+        moved_past=at_end is not None,
     )
 
 
