@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from cdc_assets.slicing import HourSlice
+from cdc_assets.slicing import HourSlice, PartitionSlice
 
 KAFKA_SCHEMA = T.StructType(
     [
@@ -69,6 +70,7 @@ class SliceReadError(RuntimeError):
 
 
 _HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+_LOCAL_COLUMNS = ("key", "value", "partition", "offset", "timestamp", "headers")
 
 
 def read_slice_locally(
@@ -86,53 +88,80 @@ def read_slice_locally(
         for p in hour_slice.partitions
         if p.size > 0
     }
+    if not parts:
+        return _record_batch(hour_slice.topic, {name: [] for name in _LOCAL_COLUMNS})
+    consumer.assign(list(parts))
+    for tp, part in parts.items():
+        consumer.seek(tp, part.start)
+    columns = _poll_slice(consumer, hour_slice.topic, parts, timeout_s=timeout_s)
+    _fail_on_deleted_offsets(consumer, hour_slice.topic, parts)
+    return _record_batch(hour_slice.topic, columns)
+
+
+def _poll_slice(
+    consumer: KafkaConsumer,
+    topic: str,
+    parts: dict[TopicPartition, PartitionSlice],
+    *,
+    timeout_s: float,
+) -> dict[str, list]:
+    """Each partition's records below its slice's end, a list per column (`_LOCAL_COLUMNS`),
+    pausing the partitions that reached it; fails when they take longer than `timeout_s`."""
     columns: dict[str, list] = {name: [] for name in _LOCAL_COLUMNS}
-    if parts:
-        consumer.assign(list(parts))
-        for tp, part in parts.items():
-            consumer.seek(tp, part.start)
-        remaining = set(parts)
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            for tp, records in consumer.poll(timeout_ms=500).items():
-                end = parts[tp].end
-                for r in records:
-                    if r.offset >= end:
-                        break
-                    columns["key"].append(r.key)
-                    columns["value"].append(r.value)
-                    columns["partition"].append(r.partition)
-                    columns["offset"].append(r.offset)
-                    columns["timestamp"].append(r.timestamp)
-                    columns["headers"].append(
-                        [{"key": k, "value": v} for k, v in r.headers] if r.headers else None
-                    )
-            for tp in list(remaining):
-                if consumer.position(tp) >= parts[tp].end:
-                    remaining.discard(tp)
-                    consumer.pause(tp)
-            if remaining and time.monotonic() > deadline:
-                late = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
-                raise SliceReadError(
-                    f"topic '{hour_slice.topic}': partitions {late} did not deliver their "
-                    f"slice within {timeout_s:g} s; check the brokers and run the hour again"
-                )
-        starts = consumer.beginning_offsets(list(parts))
-        lost = [
-            (tp.partition, p.start, starts[tp]) for tp, p in parts.items() if starts[tp] > p.start
-        ]
-        if lost:
-            described = "; ".join(f"partition {p}: [{s}, {e})" for p, s, e in lost)
+    remaining = set(parts)
+    deadline = time.monotonic() + timeout_s
+    while remaining:
+        for tp, records in consumer.poll(timeout_ms=500).items():
+            end = parts[tp].end
+            for r in records:
+                if r.offset >= end:
+                    break
+                _append_record(columns, r)
+        for tp in list(remaining):
+            if consumer.position(tp) >= parts[tp].end:
+                remaining.discard(tp)
+                consumer.pause(tp)
+        if remaining and time.monotonic() > deadline:
+            late = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
             raise SliceReadError(
-                f"topic '{hour_slice.topic}': Kafka deleted offsets of the slice while it was "
-                f"read ({described}); run the hour again to see what retention left"
+                f"topic '{topic}': partitions {late} did not deliver their "
+                f"slice within {timeout_s:g} s; check the brokers and run the hour again"
             )
+    return columns
+
+
+def _append_record(columns: dict[str, list], r: ConsumerRecord) -> None:
+    """One record's values, appended a column each (the topic is the slice's)."""
+    columns["key"].append(r.key)
+    columns["value"].append(r.value)
+    columns["partition"].append(r.partition)
+    columns["offset"].append(r.offset)
+    columns["timestamp"].append(r.timestamp)
+    columns["headers"].append([{"key": k, "value": v} for k, v in r.headers] if r.headers else None)
+
+
+def _fail_on_deleted_offsets(
+    consumer: KafkaConsumer, topic: str, parts: dict[TopicPartition, PartitionSlice]
+) -> None:
+    """Fails when retention deleted offsets of the slice while it was read."""
+    starts = consumer.beginning_offsets(list(parts))
+    lost = [(tp.partition, p.start, starts[tp]) for tp, p in parts.items() if starts[tp] > p.start]
+    if lost:
+        described = "; ".join(f"partition {p}: [{s}, {e})" for p, s, e in lost)
+        raise SliceReadError(
+            f"topic '{topic}': Kafka deleted offsets of the slice while it was "
+            f"read ({described}); run the hour again to see what retention left"
+        )
+
+
+def _record_batch(topic: str, columns: dict[str, list]) -> pa.RecordBatch:
+    """The columns read, as the Arrow batch of `read_slice`'s columns."""
     count = len(columns["offset"])
     return pa.RecordBatch.from_arrays(
         [
             pa.array(columns["key"], pa.binary()),
             pa.array(columns["value"], pa.binary()),
-            pa.array([hour_slice.topic] * count, pa.string()),
+            pa.array([topic] * count, pa.string()),
             pa.array(columns["partition"], pa.int32()),
             pa.array(columns["offset"], pa.int64()),
             pa.array(columns["timestamp"], pa.timestamp("ms", tz="UTC")),
@@ -140,9 +169,6 @@ def read_slice_locally(
         ],
         names=["key", "value", "topic", "partition", "offset", "timestamp", "headers"],
     )
-
-
-_LOCAL_COLUMNS = ("key", "value", "partition", "offset", "timestamp", "headers")
 
 
 @dataclass(frozen=True)
