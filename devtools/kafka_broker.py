@@ -24,19 +24,14 @@ listener stays, for readiness probes and the tests' own admin and producer clien
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +39,8 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from devtools import cli, processes
-from devtools.processes import HOST, log_report, port_free, read_text, signal_group, wait_until
+from devtools.processes import HOST, port_free
+from devtools.server import LocalServer, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 19092
@@ -56,11 +52,8 @@ SCRAM_MECHANISM = "SCRAM-SHA-512"
 _KEYSTORE_PASSWORD = "cdc-dev-keystore"
 # What Kafka's --add-scram parser takes unquoted; secrets.token_urlsafe() passwords qualify.
 _SCRAM_SAFE = re.compile(r"^[A-Za-z0-9_.~-]+$")
-
-_KILL_WAIT_S = 10.0
-# Brokers started by this interpreter. Their Popen objects tell reliably whether they still
-# run, and reap them: an exited child stays a zombie, which os.kill(pid, 0) reports as alive.
-_CHILDREN: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+# A "\tkey = value" line of the config dump Kafka logs at startup.
+_CONFIG_DUMP_LINE = re.compile(r"^\t[\w.-]+ = ")
 
 
 @dataclass(frozen=True)
@@ -223,34 +216,11 @@ def start(config: BrokerConfig, timeout_s: float = 60) -> str:
         RuntimeError: A port is taken, Java or the jars are missing, formatting failed, or the
             broker died or did not answer in time (the message quotes its logs).
     """
-    with _locked(config):
-        pid = _running_pid(config)
-        if pid is not None:
-            if read_text(config.properties_file) != _render_properties(server_properties(config)):
-                raise RuntimeError(
-                    f"A Kafka broker from {config.data_dir} already runs (pid {pid}) with other "
-                    f"settings than requested; stop it first: python -m devtools.kafka_broker "
-                    f"stop --data-dir {config.data_dir}"
-                )
-            _wait_until_ready(config, pid, timeout_s)
-            return config.bootstrap
-        config.pid_file.unlink(missing_ok=True)
-
-        _check_ports_free(config)
-        java = processes.java()
-        classpath = _classpath(config)
-        if config.sasl_ssl_port is not None:
-            _make_certificate(config, java)
-        _write_configs(config)
-        _format_storage(config, java, classpath)
-        pid = _launch(config, java, classpath)
-        try:
-            _wait_until_ready(config, pid, timeout_s)
-        except BaseException:
-            # A half-started broker would hold the ports and block the next attempt.
-            _terminate(config, pid, _KILL_WAIT_S)
-            config.pid_file.unlink(missing_ok=True)
-            raise
+    server = _server(config)
+    expected = _render_properties(server_properties(config))
+    server.start(
+        timeout_s, lambda: _launch(config, server), settings=(config.properties_file, expected)
+    )
     return config.bootstrap
 
 
@@ -260,14 +230,7 @@ def stop(config: BrokerConfig, timeout_s: float = 30) -> bool:
     Returns:
         Whether a broker was running.
     """
-    if not config.data_dir.is_dir():
-        return False
-    with _locked(config):
-        pid = _running_pid(config)
-        if pid is not None:
-            _terminate(config, pid, timeout_s)
-        config.pid_file.unlink(missing_ok=True)
-    return pid is not None
+    return _server(config).stop(timeout_s)
 
 
 def status(config: BrokerConfig) -> dict[str, object]:
@@ -277,7 +240,7 @@ def status(config: BrokerConfig) -> dict[str, object]:
         ``running``, ``pid`` (None when not running), ``bootstrap``, ``data_dir``,
         ``log_file`` (process output) and ``server_log`` (Kafka's log).
     """
-    pid = _running_pid(config)
+    pid = _server(config).running_pid()
     return {
         "running": pid is not None,
         "pid": pid,
@@ -298,75 +261,46 @@ def status(config: BrokerConfig) -> dict[str, object]:
     }
 
 
+def _server(config: BrokerConfig) -> LocalServer:
+    """The broker as a local server: recognised by its properties file, ready once it serves
+    metadata requests."""
+    return LocalServer(
+        title="Kafka broker",
+        module="devtools.kafka_broker",
+        data_dir=config.data_dir,
+        pid_file=config.pid_file,
+        log_file=config.log_file,
+        identifies=lambda args: "kafka.Kafka" in args and str(config.properties_file) in args,
+        probe=lambda timeout_s: _probe(config.bootstrap, timeout_s),
+        awaits=f"answer on {config.bootstrap}",
+        logs=(config.log_file, config.server_log),
+        # The config dump (hundreds of lines) would crowd the actual error out of the tail.
+        log_skip=_CONFIG_DUMP_LINE,
+        append_log=False,
+    )
+
+
+def _launch(config: BrokerConfig, server: LocalServer) -> int:
+    """Checks the ports, writes the configs, formats the storage and launches the broker."""
+    _check_ports_free(config)
+    java = processes.java()
+    classpath = _classpath(config)
+    if config.sasl_ssl_port is not None:
+        _make_certificate(config, java)
+    _write_configs(config)
+    _format_storage(config, java, classpath)
+    heap = _jvm_options(config, config.heap)
+    return server.launch(
+        [java, *heap, "-cp", classpath, "kafka.Kafka", str(config.properties_file)]
+    )
+
+
 def _kafka_data_dir(config: BrokerConfig) -> Path:
     return config.data_dir / "kraft-data"
 
 
 def _log4j_file(config: BrokerConfig) -> Path:
     return config.data_dir / "log4j.properties"
-
-
-@contextlib.contextmanager
-def _locked(config: BrokerConfig) -> Iterator[None]:
-    """Serialise start/stop on one data_dir, e.g. two test sessions starting the broker."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    with open(config.data_dir / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _running_pid(config: BrokerConfig) -> int | None:
-    try:
-        pid = int(config.pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if _is_our_broker(config, pid) else None
-
-
-def _is_our_broker(config: BrokerConfig, pid: int) -> bool:
-    """Whether ``pid`` is alive and is the broker of ``config.data_dir``."""
-    if pid in _CHILDREN:
-        child, properties_file = _CHILDREN[pid]
-        # Our own child: its exit status is authoritative. The command line is not: right
-        # after Popen returns, the kernel may still be mid-exec and show an empty one.
-        if child.poll() is None:
-            return properties_file == config.properties_file
-        del _CHILDREN[pid]
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # Another user's process: the pid was reused, it cannot be a broker we started.
-        return False
-    # Pids get reused after reboots or crashes; the command line names our properties file.
-    command = _command_line(pid)
-    return (
-        command is not None and "kafka.Kafka" in command and str(config.properties_file) in command
-    )
-
-
-def _command_line(pid: int) -> str | None:
-    if Path("/proc/self/cmdline").exists():
-        try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return None
-        # A zombie has an empty command line: it is not running any more.
-        return raw.replace(b"\0", b" ").decode(errors="replace") or None
-    result = subprocess.run(
-        ["ps", "-ww", "-o", "command=", "-p", str(pid)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        return None
-    return result.stdout.strip() or None
 
 
 def _check_ports_free(config: BrokerConfig) -> None:
@@ -577,52 +511,8 @@ def _format_storage(config: BrokerConfig, java: str, classpath: str) -> None:
             output = output.replace(os.environ[config.scram_password_env], "***")
         raise RuntimeError(
             f"Formatting the KRaft storage in {_kafka_data_dir(config)} failed "
-            f"(exit {result.returncode}):\n{output}{_log_report(config)}"
+            f"(exit {result.returncode}):\n{output}{_server(config).log_report()}"
         )
-
-
-def _launch(config: BrokerConfig, java: str, classpath: str) -> int:
-    command = [
-        java,
-        *_jvm_options(config, config.heap),
-        "-cp",
-        classpath,
-        "kafka.Kafka",
-        str(config.properties_file),
-    ]
-    with open(config.log_file, "wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=config.data_dir,
-            close_fds=True,
-            # Own session: the broker survives the CLI, and Ctrl-C in the caller's terminal
-            # does not reach it.
-            start_new_session=True,
-        )
-    _CHILDREN[process.pid] = (process, config.properties_file)
-    config.pid_file.write_text(f"{process.pid}\n")
-    return process.pid
-
-
-def _wait_until_ready(config: BrokerConfig, pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not _is_our_broker(config, pid):
-            raise RuntimeError(
-                f"The Kafka broker (pid {pid}) exited during startup.{_log_report(config)}"
-            )
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RuntimeError(
-                f"The Kafka broker (pid {pid}) did not answer on {config.bootstrap} within "
-                f"{timeout_s:g}s.{_log_report(config)}"
-            )
-        if _answers(config.bootstrap, min(remaining, 5.0)):
-            return
-        time.sleep(0.2)
 
 
 class _ProbeAdminClient(KafkaAdminClient):
@@ -638,6 +528,11 @@ class _ProbeAdminClient(KafkaAdminClient):
                 self._closed = False
                 self.close()
             raise
+
+
+def _probe(bootstrap: str, timeout_s: float) -> None:
+    if not _answers(bootstrap, timeout_s):
+        raise NotReady()
 
 
 def _answers(bootstrap: str, timeout_s: float) -> bool:
@@ -666,28 +561,6 @@ def _answers(bootstrap: str, timeout_s: float) -> bool:
     finally:
         admin.close()
     return True
-
-
-def _terminate(config: BrokerConfig, pid: int, timeout_s: float) -> None:
-    signal_group(pid, signal.SIGTERM)
-    if _wait_for_exit(config, pid, timeout_s):
-        return
-    signal_group(pid, signal.SIGKILL)
-    if not _wait_for_exit(config, pid, _KILL_WAIT_S):
-        raise RuntimeError(f"The Kafka broker (pid {pid}) survived SIGKILL.")
-
-
-def _wait_for_exit(config: BrokerConfig, pid: int, timeout_s: float) -> bool:
-    return wait_until(lambda: not _is_our_broker(config, pid), timeout_s)
-
-
-# A "\tkey = value" line of the config dump Kafka logs at startup.
-_CONFIG_DUMP_LINE = re.compile(r"^\t[\w.-]+ = ")
-
-
-def _log_report(config: BrokerConfig) -> str:
-    # The config dump (hundreds of lines) would crowd the actual error out of the tail.
-    return log_report([config.log_file, config.server_log], skip=_CONFIG_DUMP_LINE)
 
 
 def main(argv: list[str] | None = None) -> int:
