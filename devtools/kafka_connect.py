@@ -33,8 +33,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -45,17 +43,16 @@ from datetime import datetime
 from pathlib import Path
 
 from devtools import cli
-from devtools.processes import HOST, java, log_report, port_free, signal_group, wait_until
+from devtools.processes import HOST, java, port_free
+from devtools.server import LocalServer, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 18083
 DEFAULT_DATA_DIR = REPO_ROOT / ".local" / "connect"
 CLOCK_JARS = REPO_ROOT / ".jars" / "connect-clock"
 CLOCK_INTERCEPTOR = "io.cdclake.connect.ShiftedClockInterceptor"
-_KILL_WAIT_S = 10.0
 # The interceptor reads the clock file again at most this often (seconds).
 _CLOCK_REFRESH_S = 0.2
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 _ENV_PROVIDER = "org.apache.kafka.common.config.provider.EnvVarConfigProvider"
 
 
@@ -169,69 +166,23 @@ def _log4j(config: ConnectConfig) -> str:
 
 def start(config: ConnectConfig, timeout_s: float = 120) -> str:
     """Start the worker unless it runs, and wait until its REST API answers; returns its URL."""
-    with cli.locked(config.data_dir):
-        pid = _running_pid(config)
-        if pid is not None:
-            _wait_until_ready(config, pid, timeout_s)
-            return config.url
-        if not port_free(config.port):
-            raise ConnectError(
-                f"Port {config.port} on {HOST} is already in use; choose another with --port N"
-            )
-        jars = sorted(config.jars_dir.glob("*.jar"))
-        if not jars or not any(config.plugins_dir.glob("*/debezium-core-*.jar")):
-            raise ConnectError(
-                f"Kafka Connect's jars ({config.jars_dir}) or Debezium's connectors "
-                f"({config.plugins_dir}) are missing: run scripts/install.sh in {REPO_ROOT}."
-            )
-        if config.fake_clock:
-            jars += sorted(CLOCK_JARS.glob("shifted-clock-*.jar"))[-1:]
-            if not jars[-1].name.startswith("shifted-clock-"):
-                raise ConnectError(
-                    f"The worker's shifted clock ({CLOCK_JARS}) is missing: run "
-                    f"scripts/install.sh in {REPO_ROOT}."
-                )
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        config.properties_file.write_text(
-            "\n".join(f"{k}={v}" for k, v in worker_properties(config).items()) + "\n"
-        )
-        (config.data_dir / "log4j.properties").write_text(_log4j(config) + "\n")
-        if config.fake_clock and not config.clock_file.exists():
-            config.clock_file.write_text("+0\n")
-        pid = _launch(config, jars)
-        try:
-            _wait_until_ready(config, pid, timeout_s)
-        except BaseException:
-            _terminate(config, pid, _KILL_WAIT_S)
-            raise
+    server = _server(config)
+    server.start(timeout_s, lambda: _launch(config, server))
     return config.url
 
 
 def stop(config: ConnectConfig, timeout_s: float = 30) -> bool:
     """Stop the worker (SIGTERM, then SIGKILL); returns whether one was running."""
-    if not config.data_dir.is_dir():
-        return False
-    with cli.locked(config.data_dir):
-        pid = _running_pid(config)
-        if pid is not None:
-            _terminate(config, pid, timeout_s)
-        config.pid_file.unlink(missing_ok=True)
-    return pid is not None
+    return _server(config).stop(timeout_s)
 
 
 def kill(config: ConnectConfig) -> bool:
     """SIGKILL the worker (a crash: nothing is flushed); returns whether one was running."""
-    pid = _running_pid(config)
-    if pid is None:
-        return False
-    signal_group(pid, signal.SIGKILL)
-    wait_until(lambda: not _is_ours(config, pid), _KILL_WAIT_S)
-    config.pid_file.unlink(missing_ok=True)
-    return True
+    return _server(config).kill()
 
 
 def status(config: ConnectConfig) -> dict[str, object]:
-    pid = _running_pid(config)
+    pid = _server(config).running_pid()
     return {
         "running": pid is not None,
         "pid": pid,
@@ -293,8 +244,9 @@ def wait_running(config: ConnectConfig, name: str, timeout_s: float = 120) -> No
             if last.get("tasks") and all(state == "RUNNING" for state in states):
                 return
         time.sleep(0.5)
+    report = _server(config).log_report()
     raise ConnectError(
-        f"connector {name} did not run within {timeout_s:g}s (status {last}){_log_report(config)}"
+        f"connector {name} did not run within {timeout_s:g}s (status {last}){report}"
     )
 
 
@@ -400,22 +352,37 @@ def wait_published(
 # --- the process ---------------------------------------------------------------------------------
 
 
-def _environment(config: ConnectConfig) -> dict[str, str]:
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        "TZ": "UTC",
-        "CDC_CONNECT_BOOTSTRAP": config.bootstrap,
-        **config.secrets,
-    }
-    if os.environ.get("JAVA_HOME"):
-        env["JAVA_HOME"] = os.environ["JAVA_HOME"]
-    if config.fake_clock:
-        env["CDC_CONNECT_CLOCK_FILE"] = str(config.clock_file)
-    return env
+def _server(config: ConnectConfig) -> LocalServer:
+    """The worker as a local server: recognised by its properties file, ready once its REST API
+    answers."""
+    return LocalServer(
+        title="Kafka Connect worker",
+        module="devtools.kafka_connect",
+        data_dir=config.data_dir,
+        pid_file=config.pid_file,
+        log_file=config.log_file,
+        identifies=lambda args: str(config.properties_file) in args,
+        probe=lambda _timeout_s: _probe(config),
+        awaits=f"answer on {config.url}",
+        logs=(config.log_file, config.data_dir / "connect.log"),
+        poll_s=0.3,
+        error=ConnectError,
+    )
 
 
-def _launch(config: ConnectConfig, jars: list[Path]) -> int:
+def _launch(config: ConnectConfig, server: LocalServer) -> int:
+    """Checks the port and the jars, writes the worker's configs and launches it."""
+    if not port_free(config.port):
+        raise ConnectError(
+            f"Port {config.port} on {HOST} is already in use; choose another with --port N"
+        )
+    jars = _jars(config)
+    config.properties_file.write_text(
+        "\n".join(f"{k}={v}" for k, v in worker_properties(config).items()) + "\n"
+    )
+    (config.data_dir / "log4j.properties").write_text(_log4j(config) + "\n")
+    if config.fake_clock and not config.clock_file.exists():
+        config.clock_file.write_text("+0\n")
     command = [
         java(),
         f"-Xmx{config.heap}",
@@ -429,63 +396,50 @@ def _launch(config: ConnectConfig, jars: list[Path]) -> int:
         "org.apache.kafka.connect.cli.ConnectDistributed",
         str(config.properties_file),
     ]
-    with open(config.log_file, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=config.data_dir,
-            env=_environment(config),
-            close_fds=True,
-            start_new_session=True,
+    return server.launch(command, _environment(config))
+
+
+def _jars(config: ConnectConfig) -> list[Path]:
+    """The worker's class path: Kafka Connect's jars, and the shifted clock's with fake_clock."""
+    jars = sorted(config.jars_dir.glob("*.jar"))
+    if not jars or not any(config.plugins_dir.glob("*/debezium-core-*.jar")):
+        raise ConnectError(
+            f"Kafka Connect's jars ({config.jars_dir}) or Debezium's connectors "
+            f"({config.plugins_dir}) are missing: run scripts/install.sh in {REPO_ROOT}."
         )
-    _CHILDREN[process.pid] = process
-    config.pid_file.write_text(f"{process.pid}\n")
-    return process.pid
+    if config.fake_clock:
+        jars += sorted(CLOCK_JARS.glob("shifted-clock-*.jar"))[-1:]
+        if not jars[-1].name.startswith("shifted-clock-"):
+            raise ConnectError(
+                f"The worker's shifted clock ({CLOCK_JARS}) is missing: run "
+                f"scripts/install.sh in {REPO_ROOT}."
+            )
+    return jars
 
 
-def _running_pid(config: ConnectConfig) -> int | None:
-    pid = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        pid = int(config.pid_file.read_text().split()[0])
-    return pid if pid is not None and _is_ours(config, pid) else None
-
-
-def _is_ours(config: ConnectConfig, pid: int) -> bool:
-    child = _CHILDREN.get(pid)
-    if child is not None:
-        if child.poll() is None:
-            # Until it has exec'd java, the child's /proc entry shows this interpreter.
-            return child.args[-1] == str(config.properties_file)
-        del _CHILDREN[pid]
-        return False
+def _probe(config: ConnectConfig) -> None:
     try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return str(config.properties_file).encode() in args
+        with urllib.request.urlopen(f"{config.url}/connectors", timeout=5) as answer:
+            if answer.status == 200:
+                return
+    except (urllib.error.URLError, OSError):
+        pass
+    raise NotReady()
 
 
-def _wait_until_ready(config: ConnectConfig, pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not _is_ours(config, pid):
-            raise ConnectError(
-                f"The Kafka Connect worker (pid {pid}) exited during startup.{_log_report(config)}"
-            )
-        try:
-            with urllib.request.urlopen(f"{config.url}/connectors", timeout=5) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() >= deadline:
-            raise ConnectError(
-                f"The Kafka Connect worker (pid {pid}) did not answer on {config.url} within "
-                f"{timeout_s:g}s.{_log_report(config)}"
-            )
-        time.sleep(0.3)
+def _environment(config: ConnectConfig) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "TZ": "UTC",
+        "CDC_CONNECT_BOOTSTRAP": config.bootstrap,
+        **config.secrets,
+    }
+    if os.environ.get("JAVA_HOME"):
+        env["JAVA_HOME"] = os.environ["JAVA_HOME"]
+    if config.fake_clock:
+        env["CDC_CONNECT_CLOCK_FILE"] = str(config.clock_file)
+    return env
 
 
 def _request(
@@ -515,20 +469,7 @@ def _request(
             if time.monotonic() < deadline:
                 time.sleep(0.5)
                 continue
-            raise ConnectError(f"{method} {path}: {error}{_log_report(config)}") from None
-
-
-def _terminate(config: ConnectConfig, pid: int, timeout_s: float) -> None:
-    signal_group(pid, signal.SIGTERM)
-    if wait_until(lambda: not _is_ours(config, pid), timeout_s):
-        return
-    signal_group(pid, signal.SIGKILL)
-    if not wait_until(lambda: not _is_ours(config, pid), _KILL_WAIT_S):
-        raise ConnectError(f"The Kafka Connect worker (pid {pid}) survived SIGKILL.")
-
-
-def _log_report(config: ConnectConfig) -> str:
-    return log_report([config.log_file, config.data_dir / "connect.log"])
+            raise ConnectError(f"{method} {path}: {error}{_server(config).log_report()}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
