@@ -30,8 +30,6 @@ and ``DAGSTER_PG_USERNAME``, then to 15432, ``dagster`` and ``dagster``; ``--dat
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import pwd
 import re
@@ -39,8 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +45,8 @@ from psycopg2 import sql
 from psycopg2.extensions import encrypt_password
 
 from devtools import cli
-from devtools.processes import HOST, log_report, port_free, read_text, wait_until
+from devtools.processes import HOST, port_free
+from devtools.server import LocalServer, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 15432
@@ -65,10 +62,6 @@ _RUN_AS_WHEN_ROOT = "nobody"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
 _MAX_SOCKET_PATH = 107
-_KILL_WAIT_S = 10.0
-# Servers started by this interpreter: their Popen objects tell reliably whether they still
-# run, and reap them (an exited child stays a zombie, which os.kill(pid, 0) reports as alive).
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -226,34 +219,14 @@ def start(config: PostgresConfig, password: str, timeout_s: float = 60) -> str:
     """
     if not password:
         raise RuntimeError(f"No password given for the role {config.username!r}.")
-    with _locked(config):
-        _check_binaries(config)
-        pid = _running_pid(config)
-        launched = pid is None
-        if launched:
-            config.socket_file.unlink(missing_ok=True)
-            if not port_free(config.port):
-                raise RuntimeError(
-                    f"Port {config.port} on {HOST} is already in use by another process; "
-                    f"choose another with --port N, {PORT_ENV}=N or PostgresConfig(port=N)."
-                )
-            _initdb(config)
-            _write_configs(config)
-            pid = _launch(config)
-        elif read_text(config.cluster_dir / "postgresql.conf") != _render_conf(config):
-            raise RuntimeError(
-                f"A PostgreSQL server from {config.data_dir} already runs (pid {pid}) with "
-                f"other settings than requested; stop it first: python -m devtools.postgres "
-                f"stop --data-dir {config.data_dir}"
-            )
-        try:
-            _wait_until_ready(config, pid, timeout_s)
-            _create_role_and_database(config, password)
-        except BaseException:
-            # A half-started server would hold the port and block the next attempt.
-            if launched:
-                _terminate(config, pid, _KILL_WAIT_S)
-            raise
+    _check_binaries(config)
+    server = _server(config)
+    server.start(
+        timeout_s,
+        lambda: _launch(config, server),
+        settings=(config.cluster_dir / "postgresql.conf", _render_conf(config)),
+        then=lambda: _create_role_and_database(config, password),
+    )
     return config.address
 
 
@@ -263,18 +236,12 @@ def stop(config: PostgresConfig, timeout_s: float = 30) -> bool:
     Returns:
         Whether a server was running.
     """
-    if not config.data_dir.is_dir():
-        return False
-    with _locked(config):
-        pid = _running_pid(config)
-        if pid is not None:
-            _terminate(config, pid, timeout_s)
-    return pid is not None
+    return _server(config).stop(timeout_s)
 
 
 def status(config: PostgresConfig) -> dict[str, object]:
     """Describe the server of ``config.data_dir`` without changing anything."""
-    pid = _running_pid(config)
+    pid = _server(config).running_pid()
     return {
         "running": pid is not None,
         "pid": pid,
@@ -299,16 +266,49 @@ def connect(config: PostgresConfig, password: str, **kwargs: object):
     )
 
 
-@contextlib.contextmanager
-def _locked(config: PostgresConfig) -> Iterator[None]:
-    """Serialise start/stop on one data_dir."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    with open(config.data_dir / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def _server(config: PostgresConfig) -> LocalServer:
+    """The server as a local server: its postmaster writes the pid file; it is recognised by
+    its cluster dir and ready once the superuser connects through the socket."""
+    return LocalServer(
+        title="PostgreSQL server",
+        module="devtools.postgres",
+        data_dir=config.data_dir,
+        pid_file=config.pid_file,
+        log_file=config.log_file,
+        identifies=lambda args: "-D" in args and str(config.cluster_dir) in args,
+        probe=lambda _timeout_s: _probe(config),
+        awaits=f"accept connections on {config.socket_file}",
+        owns_pid_file=False,
+        # SIGINT: fast shutdown (roll back, disconnect, checkpoint); SIGQUIT: immediate
+        # shutdown; SIGKILL to the group: the server's children too.
+        stop_signals=(
+            (signal.SIGINT, False),
+            (signal.SIGQUIT, False),
+            (signal.SIGKILL, True),
+        ),
+    )
+
+
+def _launch(config: PostgresConfig, server: LocalServer) -> int:
+    """Checks the port, creates the cluster once, writes its configs and launches the server."""
+    config.socket_file.unlink(missing_ok=True)
+    if not port_free(config.port):
+        raise RuntimeError(
+            f"Port {config.port} on {HOST} is already in use by another process; "
+            f"choose another with --port N, {PORT_ENV}=N or PostgresConfig(port=N)."
+        )
+    _initdb(config)
+    _write_configs(config)
+    # setpriv execs postgres, so the pid is the postmaster's.
+    command = [*_run_as(config), str(config.bin_dir / "postgres"), "-D", str(config.cluster_dir)]
+    return server.launch(command, _environment(config))
+
+
+def _probe(config: PostgresConfig) -> None:
+    try:
+        _superuser_connection(config).close()
+    except psycopg2.OperationalError as exc:
+        raise NotReady(str(exc).strip()) from None
 
 
 def _check_binaries(config: PostgresConfig) -> None:
@@ -438,50 +438,6 @@ def _write_configs(config: PostgresConfig) -> None:
     _own(config, config.socket_dir)
 
 
-def _launch(config: PostgresConfig) -> int:
-    command = [*_run_as(config), str(config.bin_dir / "postgres"), "-D", str(config.cluster_dir)]
-    with open(config.log_file, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=config.data_dir,
-            env=_environment(config),
-            close_fds=True,
-            # Own session: the server survives the CLI, and Ctrl-C in the caller's terminal
-            # does not reach it. setpriv execs postgres, so the pid is the postmaster's.
-            start_new_session=True,
-        )
-    _CHILDREN[process.pid] = process
-    return process.pid
-
-
-def _running_pid(config: PostgresConfig) -> int | None:
-    pid = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        pid = int(config.pid_file.read_text().splitlines()[0])
-    if pid is None:
-        # Started by this interpreter but not yet written its pid file.
-        pid = next((p for p, c in _CHILDREN.items() if c.args[-1] == str(config.cluster_dir)), None)
-    return pid if pid is not None and _is_our_server(config, pid) else None
-
-
-def _is_our_server(config: PostgresConfig, pid: int) -> bool:
-    """Whether ``pid`` is alive and is the postmaster of ``config.cluster_dir``."""
-    if pid in _CHILDREN:
-        child = _CHILDREN[pid]
-        if child.poll() is None:
-            return child.args[-1] == str(config.cluster_dir)
-        del _CHILDREN[pid]
-        return False
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"-D" in args and str(config.cluster_dir).encode() in args
-
-
 def _superuser_connection(config: PostgresConfig, timeout_s: float = 5, database: str = "postgres"):
     return psycopg2.connect(
         host=str(config.socket_dir),
@@ -490,26 +446,6 @@ def _superuser_connection(config: PostgresConfig, timeout_s: float = 5, database
         user=SUPERUSER,
         connect_timeout=max(int(timeout_s), 2),
     )
-
-
-def _wait_until_ready(config: PostgresConfig, pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not _is_our_server(config, pid):
-            raise RuntimeError(
-                f"The PostgreSQL server (pid {pid}) exited during startup.{_log_report(config)}"
-            )
-        try:
-            _superuser_connection(config).close()
-            return
-        except psycopg2.OperationalError as exc:
-            last = str(exc).strip()
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"The PostgreSQL server (pid {pid}) did not accept connections on "
-                f"{config.socket_file} within {timeout_s:g}s ({last}).{_log_report(config)}"
-            )
-        time.sleep(0.2)
 
 
 def _create_role_and_database(config: PostgresConfig, password: str) -> None:
@@ -544,7 +480,7 @@ def _create_role_and_database(config: PostgresConfig, password: str) -> None:
     except psycopg2.OperationalError as exc:
         raise RuntimeError(
             f"{config.username}@{config.address}/{config.database} refused its password: "
-            f"{str(exc).strip()}{_log_report(config)}"
+            f"{str(exc).strip()}{_server(config).log_report()}"
         ) from None
 
 
@@ -563,31 +499,6 @@ def _create_publication(config: PostgresConfig) -> None:
                 )
     finally:
         connection.close()
-
-
-def _terminate(config: PostgresConfig, pid: int, timeout_s: float) -> None:
-    # SIGINT: fast shutdown (roll back, disconnect, checkpoint); SIGQUIT: immediate shutdown.
-    for sig, wait_s in (
-        (signal.SIGINT, timeout_s),
-        (signal.SIGQUIT, _KILL_WAIT_S),
-        (signal.SIGKILL, _KILL_WAIT_S),
-    ):
-        with contextlib.suppress(ProcessLookupError):
-            if sig is signal.SIGKILL and os.getpgid(pid) == pid:
-                os.killpg(pid, sig)  # the server's children too
-            else:
-                os.kill(pid, sig)
-        if _wait_for_exit(config, pid, wait_s):
-            return
-    raise RuntimeError(f"The PostgreSQL server (pid {pid}) survived SIGKILL.")
-
-
-def _wait_for_exit(config: PostgresConfig, pid: int, timeout_s: float) -> bool:
-    return wait_until(lambda: not _is_our_server(config, pid), timeout_s)
-
-
-def _log_report(config: PostgresConfig) -> str:
-    return log_report([config.log_file])
 
 
 def main(argv: list[str] | None = None) -> int:
