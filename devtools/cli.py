@@ -10,15 +10,12 @@ on stderr and exit 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -89,15 +86,3 @@ def run(
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-@contextlib.contextmanager
-def locked(data_dir: Path) -> Iterator[None]:
-    """Serialises start and stop of the server that owns `data_dir`."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with open(data_dir / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -17,28 +17,23 @@ Command line (the password from ``CDC_MARIADB_PASSWORD``)::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pymysql
 
 from devtools import cli
-from devtools.processes import HOST, log_report, port_free, wait_until
+from devtools.processes import HOST, port_free
+from devtools.server import LocalServer, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 13306
 PASSWORD_ENV = "CDC_MARIADB_PASSWORD"
-_KILL_WAIT_S = 10.0
-# Servers this interpreter started, with their data dirs (a child's /proc entry shows the
-# Python command line until it has exec'd the server).
-_CHILDREN: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
 
 
 @dataclass(frozen=True)
@@ -116,41 +111,26 @@ def start(config: MariaDBConfig, password: str, timeout_s: float = 60) -> str:
     """Start the server unless it runs, create the database and user; returns host:port."""
     if not password:
         raise RuntimeError(f"No password given for the user {config.username!r}.")
-    with cli.locked(config.data_dir):
-        binary = config.tools_dir / "usr/sbin/mariadbd"
-        if not binary.is_file():
-            raise RuntimeError(
-                f"MariaDB's server is missing ({binary}): run scripts/install.sh in {REPO_ROOT}."
-            )
-        pid = _running_pid(config)
-        launched = pid is None
-        if launched:
-            if not port_free(config.port):
-                raise RuntimeError(f"Port {config.port} on {HOST} is already in use.")
-            _install_db(config)
-            pid = _launch(config)
-        try:
-            _wait_until_ready(config, pid, timeout_s)
-            _create_user_and_database(config, password)
-        except BaseException:
-            if launched:
-                _terminate(config, pid, _KILL_WAIT_S)
-            raise
+    binary = config.tools_dir / "usr/sbin/mariadbd"
+    if not binary.is_file():
+        raise RuntimeError(
+            f"MariaDB's server is missing ({binary}): run scripts/install.sh in {REPO_ROOT}."
+        )
+    server = _server(config)
+    server.start(
+        timeout_s,
+        lambda: _launch(config, server),
+        then=lambda: _create_user_and_database(config, password),
+    )
     return config.address
 
 
 def stop(config: MariaDBConfig, timeout_s: float = 30) -> bool:
-    if not config.data_dir.is_dir():
-        return False
-    with cli.locked(config.data_dir):
-        pid = _running_pid(config)
-        if pid is not None:
-            _terminate(config, pid, timeout_s)
-    return pid is not None
+    return _server(config).stop(timeout_s)
 
 
 def status(config: MariaDBConfig) -> dict[str, object]:
-    pid = _running_pid(config)
+    pid = _server(config).running_pid()
     return {
         "running": pid is not None,
         "pid": pid,
@@ -174,6 +154,40 @@ def connect(config: MariaDBConfig, password: str, **kwargs: object) -> pymysql.C
         autocommit=True,
         **kwargs,
     )
+
+
+def _server(config: MariaDBConfig) -> LocalServer:
+    """The server as a local server: it writes its own pid file; it is recognised by its data
+    dir and ready once root connects through the socket."""
+    datadir = f"--datadir={config.data_dir / 'data'}"
+    return LocalServer(
+        title="MariaDB server",
+        module="devtools.mariadb",
+        data_dir=config.data_dir,
+        pid_file=config.pid_file,
+        log_file=config.log_file,
+        identifies=lambda args: datadir in args,
+        probe=lambda _timeout_s: _probe(config),
+        awaits="accept connections",
+        owns_pid_file=False,
+        stop_signals=((signal.SIGTERM, False), (signal.SIGKILL, False)),
+    )
+
+
+def _launch(config: MariaDBConfig, server: LocalServer) -> int:
+    """Checks the port, creates the data directory once and launches the server."""
+    if not port_free(config.port):
+        raise RuntimeError(f"Port {config.port} on {HOST} is already in use.")
+    _install_db(config)
+    command = [str(config.tools_dir / "usr/sbin/mariadbd"), *server_options(config)]
+    return server.launch(command, _environment(config))
+
+
+def _probe(config: MariaDBConfig) -> None:
+    try:
+        _root(config).close()
+    except pymysql.err.OperationalError as exc:
+        raise NotReady(str(exc)) from None
 
 
 def _environment(config: MariaDBConfig) -> dict[str, str]:
@@ -221,67 +235,8 @@ def _install_db(config: MariaDBConfig) -> None:
         )
 
 
-def _launch(config: MariaDBConfig) -> int:
-    command = [str(config.tools_dir / "usr/sbin/mariadbd"), *server_options(config)]
-    with open(config.log_file, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=config.data_dir,
-            env=_environment(config),
-            close_fds=True,
-            start_new_session=True,
-        )
-    _CHILDREN[process.pid] = (process, config.data_dir)
-    return process.pid
-
-
-def _running_pid(config: MariaDBConfig) -> int | None:
-    pid = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        pid = int(config.pid_file.read_text().split()[0])
-    if pid is None:
-        pid = next((p for p, (_, d) in _CHILDREN.items() if d == config.data_dir), None)
-    return pid if pid is not None and _is_ours(config, pid) else None
-
-
-def _is_ours(config: MariaDBConfig, pid: int) -> bool:
-    if pid in _CHILDREN:
-        child, data_dir = _CHILDREN[pid]
-        if child.poll() is None:
-            return data_dir == config.data_dir
-        del _CHILDREN[pid]
-        return False
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return f"--datadir={config.data_dir / 'data'}".encode() in args
-
-
 def _root(config: MariaDBConfig) -> pymysql.Connection:
     return pymysql.connect(unix_socket=str(config.socket_file), user="root", autocommit=True)
-
-
-def _wait_until_ready(config: MariaDBConfig, pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not _is_ours(config, pid):
-            report = log_report([config.log_file])
-            raise RuntimeError(f"The MariaDB server (pid {pid}) exited during startup.{report}")
-        try:
-            _root(config).close()
-            return
-        except pymysql.err.OperationalError as exc:
-            last = str(exc)
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"The MariaDB server (pid {pid}) did not accept connections within "
-                f"{timeout_s:g}s ({last}).{log_report([config.log_file])}"
-            )
-        time.sleep(0.2)
 
 
 def _create_user_and_database(config: MariaDBConfig, password: str) -> None:
@@ -305,17 +260,6 @@ def _create_user_and_database(config: MariaDBConfig, password: str) -> None:
     finally:
         connection.close()
     connect(config, password).close()
-
-
-def _terminate(config: MariaDBConfig, pid: int, timeout_s: float) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    if wait_until(lambda: not _is_ours(config, pid), timeout_s):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    if not wait_until(lambda: not _is_ours(config, pid), _KILL_WAIT_S):
-        raise RuntimeError(f"The MariaDB server (pid {pid}) survived SIGKILL.")
 
 
 def main(argv: list[str] | None = None) -> int:
