@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -37,18 +35,14 @@ from urllib.request import urlopen
 import pyspark
 
 from devtools import cli, processes
-from devtools.processes import HOST, log_report, port_free, signal_group, wait_until
+from devtools.processes import HOST, port_free
+from devtools.server import LocalServer, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 17077
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
-
-_KILL_WAIT_S = 10.0
-# Daemons started by this interpreter: their Popen objects tell reliably whether they still run
-# and reap them (an exited child stays a zombie, which os.kill(pid, 0) reports as alive).
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -133,8 +127,10 @@ def start(config: ClusterConfig, timeout_s: float = 120) -> str:
             register in time (the message quotes the daemons' logs). Whatever was started is
             stopped again.
     """
-    if _running_pid(config, "master") is not None and _running_pid(config, "worker") is not None:
-        _wait_for_worker(config, time.monotonic() + timeout_s)
+    master, worker = _server(config, "master"), _server(config, "worker")
+    pid = worker.running_pid()
+    if master.running_pid() is not None and pid is not None:
+        worker.wait_ready(pid, timeout_s)
         return config.master_url
     stop(config)
     for role, port in config.ports.items():
@@ -147,43 +143,12 @@ def start(config: ClusterConfig, timeout_s: float = 120) -> str:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     for folder in (config.work_dir, config.data_dir / "local", config.data_dir / "conf"):
         folder.mkdir(exist_ok=True)
-    deadline = time.monotonic() + timeout_s
+    deadline, env = time.monotonic() + timeout_s, _daemon_env(config)
     try:
-        _launch(
-            config,
-            "master",
-            [
-                MASTER_CLASS,
-                "--host",
-                HOST,
-                "--port",
-                str(config.port),
-                "--webui-port",
-                str(config.ports["master web UI"]),
-            ],
-        )
-        _wait_for_master(config, deadline)
-        _launch(
-            config,
-            "worker",
-            [
-                WORKER_CLASS,
-                config.master_url,
-                "--host",
-                HOST,
-                "--port",
-                str(config.ports["worker"]),
-                "--webui-port",
-                str(config.ports["worker web UI"]),
-                "--cores",
-                str(config.cores),
-                "--memory",
-                config.memory,
-                "--work-dir",
-                str(config.work_dir),
-            ],
-        )
-        _wait_for_worker(config, deadline)
+        master.wait_ready(master.launch(_command(config, "master"), env), timeout_s)
+        # One deadline for both daemons.
+        pid = worker.launch(_command(config, "worker"), env)
+        worker.wait_ready(pid, round(deadline - time.monotonic(), 1))
     except BaseException:
         stop(config)  # half a cluster would hold the ports
         raise
@@ -193,19 +158,13 @@ def start(config: ClusterConfig, timeout_s: float = 120) -> str:
 def stop(config: ClusterConfig, timeout_s: float = 30) -> bool:
     """Stop the worker (and its executors), then the master: SIGTERM, SIGKILL after
     ``timeout_s``. Returns whether anything was running."""
-    stopped = False
-    for role in ("worker", "master"):
-        pid = _running_pid(config, role)
-        if pid is not None:
-            _terminate(config, role, pid, timeout_s)
-            stopped = True
-        config.pid_file(role).unlink(missing_ok=True)
-    return stopped
+    stopped = [_server(config, role).stop(timeout_s, lock=False) for role in ("worker", "master")]
+    return any(stopped)
 
 
 def status(config: ClusterConfig) -> dict[str, object]:
     """The daemons' pids (None when not running), the master URL, its workers and apps."""
-    pids = {role: _running_pid(config, role) for role in ("master", "worker")}
+    pids = {role: _server(config, role).running_pid() for role in ("master", "worker")}
     state = _get_json(config.master_json_url) if pids["master"] else None
     return {
         "running": all(pids.values()),
@@ -257,64 +216,64 @@ def _daemon_env(config: ClusterConfig) -> dict[str, str]:
     return env
 
 
-def _launch(config: ClusterConfig, role: str, arguments: list[str]) -> int:
+def _server(config: ClusterConfig, role: str) -> LocalServer:
+    """The ``master`` or ``worker`` daemon as a local server: recognised by its class and port;
+    stopped with its whole process group (the worker's executors)."""
+    if role == "master":
+        cls, port, probe = MASTER_CLASS, config.port, _master_alive
+        awaits = f"come up on {config.master_json_url}"
+    else:
+        cls, port, probe = WORKER_CLASS, config.ports["worker"], _worker_registered
+        awaits = f"register with {config.master_url}"
+    return LocalServer(
+        title=f"Spark {role}",
+        module="devtools.spark_cluster",
+        data_dir=config.data_dir,
+        pid_file=config.pid_file(role),
+        log_file=config.log_file(role),
+        identifies=lambda args: cls in args and f"--port {port}" in " ".join(args),
+        probe=lambda _timeout_s: probe(config),
+        awaits=awaits,
+        logs=[config.log_file(r) for r in ("master", "worker")],
+        poll_s=0.5,
+        whole_group=True,
+    )
+
+
+def _command(config: ClusterConfig, role: str) -> list[str]:
+    """The ``master`` or ``worker`` daemon through pyspark's spark-class, on loopback."""
     spark_class = SPARK_HOME / "bin" / "spark-class"
     if not spark_class.is_file():
         raise RuntimeError(f"{spark_class} is missing: is pyspark installed completely?")
-    with open(config.log_file(role), "ab") as log:
-        process = subprocess.Popen(
-            ["bash", str(spark_class), *arguments],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=config.data_dir,
-            env=_daemon_env(config),
-            close_fds=True,
-            # Own session and process group: it outlives the caller, Ctrl-C does not reach it,
-            # and stop() signals the group (the worker's executors included).
-            start_new_session=True,
-        )
-    _CHILDREN[process.pid] = process
-    config.pid_file(role).write_text(f"{process.pid}\n")
-    return process.pid
+    if role == "master":
+        ports = ["--port", str(config.port), "--webui-port", str(config.ports["master web UI"])]
+        arguments = [MASTER_CLASS, "--host", HOST, *ports]
+    else:
+        ports = ["--port", str(config.ports["worker"])]
+        ports += ["--webui-port", str(config.ports["worker web UI"])]
+        resources = ["--cores", str(config.cores), "--memory", config.memory]
+        arguments = [WORKER_CLASS, config.master_url, "--host", HOST, *ports, *resources]
+        arguments += ["--work-dir", str(config.work_dir)]
+    return ["bash", str(spark_class), *arguments]
 
 
-def _wait_for_master(config: ClusterConfig, deadline: float) -> None:
-    while True:
-        _check_alive(config, "master")
-        state = _get_json(config.master_json_url)
-        if state is not None and state.get("status") == "ALIVE":
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"The Spark master did not come up on {config.master_json_url} in time."
-                f"{_log_report(config)}"
-            )
-        time.sleep(0.5)
+def _master_alive(config: ClusterConfig) -> None:
+    state = _get_json(config.master_json_url)
+    if state is None or state.get("status") != "ALIVE":
+        raise NotReady()
 
 
-def _wait_for_worker(config: ClusterConfig, deadline: float) -> None:
+def _worker_registered(config: ClusterConfig) -> None:
+    master = _server(config, "master")
+    if master.running_pid() is None:
+        raise RuntimeError(f"The Spark master exited during startup.{master.log_report()}")
     worker = f"{HOST}:{config.ports['worker']}"
-    while True:
-        _check_alive(config, "master")
-        _check_alive(config, "worker")
-        state = _get_json(config.master_json_url) or {}
-        if any(
-            w.get("state") == "ALIVE" and f"{w.get('host')}:{w.get('port')}" == worker
-            for w in state.get("workers", [])
-        ):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"The Spark worker {worker} did not register with {config.master_url} in time."
-                f"{_log_report(config)}"
-            )
-        time.sleep(0.5)
-
-
-def _check_alive(config: ClusterConfig, role: str) -> None:
-    if _running_pid(config, role) is None:
-        raise RuntimeError(f"The Spark {role} exited during startup.{_log_report(config)}")
+    state = _get_json(config.master_json_url) or {}
+    if not any(
+        w.get("state") == "ALIVE" and f"{w.get('host')}:{w.get('port')}" == worker
+        for w in state.get("workers", [])
+    ):
+        raise NotReady()
 
 
 def _get_json(url: str) -> dict | None:
@@ -323,63 +282,6 @@ def _get_json(url: str) -> dict | None:
             return json.load(response)
     except (URLError, OSError, ValueError):
         return None
-
-
-def _running_pid(config: ClusterConfig, role: str) -> int | None:
-    try:
-        pid = int(config.pid_file(role).read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if _is_ours(config, role, pid) else None
-
-
-def _is_ours(config: ClusterConfig, role: str, pid: int) -> bool:
-    """Whether ``pid`` is alive and is this cluster's ``role`` daemon."""
-    if pid in _CHILDREN:
-        # Our own child: its exit status is authoritative (right after Popen, the command
-        # line may still be bash's, before spark-class execs the JVM).
-        if _CHILDREN[pid].poll() is None:
-            return True
-        del _CHILDREN[pid]
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    # Pids get reused: the command line names the daemon's class and its port.
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return False
-    cls, port = (MASTER_CLASS, config.port) if role == "master" else (WORKER_CLASS, None)
-    port = config.ports["worker"] if port is None else port
-    return cls in command and f"--port {port}" in command
-
-
-def _terminate(config: ClusterConfig, role: str, pid: int, timeout_s: float) -> None:
-    signal_group(pid, signal.SIGTERM)
-    if _wait_for_exit(config, role, pid, timeout_s):
-        return
-    signal_group(pid, signal.SIGKILL)
-    if not _wait_for_exit(config, role, pid, _KILL_WAIT_S):
-        raise RuntimeError(f"The Spark {role} (pid {pid}) survived SIGKILL.")
-
-
-def _wait_for_exit(config: ClusterConfig, role: str, pid: int, timeout_s: float) -> bool:
-    return wait_until(lambda: not (_is_ours(config, role, pid) or _group_alive(pid)), timeout_s)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of the group is left (the worker's executors)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _log_report(config: ClusterConfig) -> str:
-    return log_report([config.log_file(role) for role in ("master", "worker")])
 
 
 def main(argv: list[str] | None = None) -> int:
