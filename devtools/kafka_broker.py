@@ -240,11 +240,8 @@ def status(config: BrokerConfig) -> dict[str, object]:
         ``running``, ``pid`` (None when not running), ``bootstrap``, ``data_dir``,
         ``log_file`` (process output) and ``server_log`` (Kafka's log).
     """
-    pid = _server(config).running_pid()
-    return {
-        "running": pid is not None,
-        "pid": pid,
-        "bootstrap": config.bootstrap,
+    return _server(config).status(
+        bootstrap=config.bootstrap,
         # SASL_SSL (SCRAM over TLS) when the broker listens with it: its address, user and CA.
         **(
             {
@@ -255,10 +252,10 @@ def status(config: BrokerConfig) -> dict[str, object]:
             if config.sasl_ssl_bootstrap
             else {}
         ),
-        "data_dir": str(config.data_dir),
-        "log_file": str(config.log_file),
-        "server_log": str(config.server_log),
-    }
+        data_dir=str(config.data_dir),
+        log_file=str(config.log_file),
+        server_log=str(config.server_log),
+    )
 
 
 def _server(config: BrokerConfig) -> LocalServer:

@@ -182,14 +182,11 @@ def kill(config: ConnectConfig) -> bool:
 
 
 def status(config: ConnectConfig) -> dict[str, object]:
-    pid = _server(config).running_pid()
-    return {
-        "running": pid is not None,
-        "pid": pid,
-        "url": config.url,
-        "data_dir": str(config.data_dir),
-        "log_file": str(config.data_dir / "connect.log"),
-    }
+    return _server(config).status(
+        url=config.url,
+        data_dir=str(config.data_dir),
+        log_file=str(config.data_dir / "connect.log"),
+    )
 
 
 def set_clock(config: ConnectConfig, moment: datetime) -> None:

@@ -130,16 +130,13 @@ def stop(config: MariaDBConfig, timeout_s: float = 30) -> bool:
 
 
 def status(config: MariaDBConfig) -> dict[str, object]:
-    pid = _server(config).running_pid()
-    return {
-        "running": pid is not None,
-        "pid": pid,
-        "address": config.address,
-        "database": config.database,
-        "username": config.username,
-        "data_dir": str(config.data_dir),
-        "log_file": str(config.log_file),
-    }
+    return _server(config).status(
+        address=config.address,
+        database=config.database,
+        username=config.username,
+        data_dir=str(config.data_dir),
+        log_file=str(config.log_file),
+    )
 
 
 def connect(config: MariaDBConfig, password: str, **kwargs: object) -> pymysql.Connection:

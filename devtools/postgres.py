@@ -241,16 +241,13 @@ def stop(config: PostgresConfig, timeout_s: float = 30) -> bool:
 
 def status(config: PostgresConfig) -> dict[str, object]:
     """Describe the server of ``config.data_dir`` without changing anything."""
-    pid = _server(config).running_pid()
-    return {
-        "running": pid is not None,
-        "pid": pid,
-        "address": config.address,
-        "database": config.database,
-        "username": config.username,
-        "data_dir": str(config.data_dir),
-        "log_file": str(config.log_file),
-    }
+    return _server(config).status(
+        address=config.address,
+        database=config.database,
+        username=config.username,
+        data_dir=str(config.data_dir),
+        log_file=str(config.log_file),
+    )
 
 
 def connect(config: PostgresConfig, password: str, **kwargs: object):

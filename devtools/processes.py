@@ -1,5 +1,5 @@
-"""What the local servers of devtools (Kafka broker, PostgreSQL, Spark cluster) share: free
-ports, Java, process groups, waiting for an exit, and the tail of a log for an error message."""
+"""Small process helpers of devtools' local servers: free ports, Java, process groups, waiting,
+and the tail of a log for an error message. Their lifecycle is devtools/server.py."""
 
 from __future__ import annotations
 

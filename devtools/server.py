@@ -167,6 +167,11 @@ class LocalServer:
             self.pid_file.unlink(missing_ok=True)
         return pid is not None
 
+    def status(self, **fields: object) -> dict[str, object]:
+        """``running`` and ``pid`` (None when not running), then the server's own `fields`."""
+        pid = self.running_pid()
+        return {"running": pid is not None, "pid": pid, **fields}
+
     def kill(self) -> bool:
         """SIGKILLs the server's process group (a crash: nothing is flushed); whether it ran."""
         pid = self.running_pid()
