@@ -34,7 +34,7 @@ TERM_THEN_KILL = ((signal.SIGTERM, True), (signal.SIGKILL, True))
 _CHILDREN: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
 
 
-class NotReady(Exception):  # noqa: N818 -- a probe's answer, not a failure
+class NotReady(Exception):
     """Raised by a readiness probe while the server does not serve yet; the message says why."""
 
 
