@@ -94,8 +94,30 @@ def plan_tick(
 ) -> TickPlan:
     """Which hours to request, and the cursor after this tick. Pure, given the Kafka reads."""
     lateness = timedelta(minutes=spec.allowed_lateness_minutes)
+    hours, waiting = _closed_hours(progress, now=now, watch_from=watch_from, lateness=lateness)
+
+    fresh = [h for h in hours if cursor.requested.get(h.key) != h.fingerprint]
+    done = already_materialized([h for h in fresh if h.key not in cursor.requested])
+    needed = {h.key for h in fresh if h.key not in done}
+    requested = {**cursor.requested, **{h.key: h.fingerprint for h in hours}}
+    ranges = _runs(hours, needed, hours_per_run=spec.hours_per_run)
+
+    settled_until = _settled_until(hours, now=now, watch_from=watch_from, watch_hours=watch_hours)
+    kept = {k: v for k, v in requested.items() if hour_start(k) >= settled_until}
+    return TickPlan(
+        ranges=ranges,
+        cursor=Cursor(watch_from=hour_key(settled_until), requested=kept),
+        hours=hours,
+        waiting=waiting,
+    )
+
+
+def _closed_hours(
+    progress: TopicProgress, *, now: datetime, watch_from: datetime, lateness: timedelta
+) -> tuple[list[HourState], str | None]:
+    """The closed hours from `watch_from` on, oldest first, up to the first open one; and why
+    that one is open (None when every hour the tick read closed)."""
     hours: list[HourState] = []
-    waiting = None
     moment = watch_from
     while moment + HOUR in progress.boundaries:
         start = _offsets_at(progress, progress.boundaries[moment])
@@ -110,19 +132,18 @@ def plan_tick(
             in_transaction=[p for p in idle if p in progress.in_transaction],
         )
         if reason is not None:
-            waiting = f"hour {hour_key(moment)} is open: {reason}"
-            break  # later hours can't have closed before it
+            # Later hours can't have closed before it.
+            return hours, f"hour {hour_key(moment)} is open: {reason}"
         hours.append(HourState(hour_key(moment), start, end, not idle, None))
         moment += HOUR
+    return hours, None
 
-    fresh = [h for h in hours if cursor.requested.get(h.key) != h.fingerprint]
-    done = already_materialized([h for h in fresh if h.key not in cursor.requested])
-    needed = {h.key for h in fresh if h.key not in done}
-    requested = {**cursor.requested, **{h.key: h.fingerprint for h in hours}}
 
+def _runs(hours: list[HourState], needed: set[str], *, hours_per_run: int) -> list[HourRange]:
+    """The `needed` hours as runs: consecutive hours together, at most `hours_per_run` a run."""
     ranges, current = [], []
     for hour in hours:
-        if hour.key in needed and len(current) < spec.hours_per_run:
+        if hour.key in needed and len(current) < hours_per_run:
             current.append(hour)
             continue
         if current:
@@ -130,22 +151,22 @@ def plan_tick(
         current = [hour] if hour.key in needed else []
     if current:
         ranges.append(HourRange(tuple(current)))
+    return ranges
 
-    # Settled hours leave the cursor: all partitions moved past them (and past the hour
-    # before, so their start is fixed too), or they closed longer ago than the watch window.
+
+def _settled_until(
+    hours: list[HourState], *, now: datetime, watch_from: datetime, watch_hours: int
+) -> datetime:
+    """The end of the settled hours at the start of `hours`, which leave the cursor: all
+    partitions moved past them (and past the hour before, so their start is fixed too), or they
+    closed longer ago than the watch window."""
     settled_until = watch_from
     for hour in hours:
         old = now - hour_start(hour.key) - HOUR > timedelta(hours=watch_hours)
         if not (hour.moved_past or old):
             break
         settled_until = hour_start(hour.key) + HOUR
-    kept = {k: v for k, v in requested.items() if hour_start(k) >= settled_until}
-    return TickPlan(
-        ranges=ranges,
-        cursor=Cursor(watch_from=hour_key(settled_until), requested=kept),
-        hours=hours,
-        waiting=waiting,
-    )
+    return settled_until
 
 
 def _offsets_at(progress: TopicProgress, found: Mapping[int, int | None]) -> dict[int, int]:
