@@ -134,6 +134,41 @@ def read_fleet_progress(
     # One metadata request for every topic; the lookups below use it. It takes no timeout of
     # its own: the consumers' request timeout, capped to the tick's time, bounds it.
     consumer.topics()
+    tps_of, out = _partitions_of(consumer, watches)
+    every = sorted({tp for tps in tps_of.values() for tp in tps})
+    if not every:
+        return out
+    log_starts = consumer.beginning_offsets(every, timeout_ms=timeout())
+    first_hour = _first_data_hours(consumer, watches, tps_of, timeout)
+    read = [w for w in watches if w.table in tps_of]
+    starts = {w.table: w.watch_from or first_hour.get(w.table) or floor_hour(now) for w in read}
+    offsets = _offsets_at_boundaries(consumer, read, tps_of, starts, now, timeout)
+    # Fetched last: every offset found above lies below these.
+    stable_ends = consumer.end_offsets(every, timeout_ms=timeout())
+    pending = open_transactions(uncommitted, stable_ends, timeout_ms=timeout())
+    newest = _newest_timestamps(consumer, every, log_starts, stable_ends, timeout)
+    for watch in read:
+        tps = tps_of[watch.table]
+        out[watch.table] = TopicProgress(
+            partitions=tuple(tp.partition for tp in tps),
+            log_starts={tp.partition: log_starts[tp] for tp in tps},
+            stable_ends={tp.partition: stable_ends[tp] for tp in tps},
+            in_transaction=frozenset(tp.partition for tp in tps if tp in pending),
+            boundaries={
+                moment: {tp.partition: offsets[moment][tp] for tp in tps}
+                for moment in _boundaries(starts[watch.table], now)
+            },
+            newest_ms={tp.partition: newest[tp] for tp in tps if tp in newest},
+            first_data_hour=first_hour.get(watch.table),
+        )
+    return out
+
+
+def _partitions_of(
+    consumer: KafkaConsumer, watches: Sequence[Watch]
+) -> tuple[dict[str, list[TopicPartition]], dict[str, TopicProgress | SliceError]]:
+    """Each table's topic partitions, from the metadata read; the error of a table whose topic
+    is missing, in the tick's results."""
     tps_of: dict[str, list[TopicPartition]] = {}
     out: dict[str, TopicProgress | SliceError] = {}
     for watch in watches:
@@ -141,11 +176,17 @@ def read_fleet_progress(
             tps_of[watch.table] = topic_partitions(consumer, table=watch.table, topic=watch.topic)
         except SliceError as error:
             out[watch.table] = error
-    every = sorted({tp for tps in tps_of.values() for tp in tps})
-    if not every:
-        return out
-    log_starts = consumer.beginning_offsets(every, timeout_ms=timeout())
-    # First ticks look for where each table's data begins (by its own first hour).
+    return tps_of, out
+
+
+def _first_data_hours(
+    consumer: KafkaConsumer,
+    watches: Sequence[Watch],
+    tps_of: Mapping[str, list[TopicPartition]],
+    timeout: Callable[[], int | None],
+) -> dict[str, datetime | None]:
+    """On a table's first tick, the hour its data begins: of its oldest message since its first
+    hour (None: no message yet). One lookup per first hour, for the tables that share it."""
     first_hour: dict[str, datetime | None] = {}
     firsts = [w for w in watches if w.table in tps_of and w.watch_from is None]
     for floor in sorted({w.floor for w in firsts}):
@@ -154,14 +195,28 @@ def read_fleet_progress(
         for w in (w for w in firsts if w.floor == floor):
             stamps = [at[tp].timestamp for tp in tps_of[w.table] if at[tp] is not None]
             first_hour[w.table] = max(floor_hour(from_ms(min(stamps))), floor) if stamps else None
-    # The hour boundaries each table needs, looked up together per boundary.
+    return first_hour
+
+
+def _boundaries(start: datetime, now: datetime) -> list[datetime]:
+    """The hour boundaries a tick reads: from `start` to now's hour, MAX_HOURS_PER_TICK at most."""
+    hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
+    return [start + HOUR * n for n in range(hours + 1)]
+
+
+def _offsets_at_boundaries(
+    consumer: KafkaConsumer,
+    watches: Sequence[Watch],
+    tps_of: Mapping[str, list[TopicPartition]],
+    starts: Mapping[str, datetime],
+    now: datetime,
+    timeout: Callable[[], int | None],
+) -> dict[datetime, dict[TopicPartition, int | None]]:
+    """Per hour boundary, each partition's first offset stamped at or after it (None: no such
+    message yet): one lookup per boundary, for every table that needs it."""
     wanted: dict[datetime, set[TopicPartition]] = {}
-    starts: dict[str, datetime] = {}
-    for watch in (w for w in watches if w.table in tps_of):
-        start = watch.watch_from or first_hour.get(watch.table) or floor_hour(now)
-        starts[watch.table] = start
-        hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
-        for moment in (start + HOUR * n for n in range(hours + 1)):
+    for watch in watches:
+        for moment in _boundaries(starts[watch.table], now):
             wanted.setdefault(moment, set()).update(tps_of[watch.table])
     offsets: dict[datetime, dict[TopicPartition, int | None]] = {}
     for moment, tps in sorted(wanted.items()):
@@ -169,27 +224,7 @@ def read_fleet_progress(
             {tp: to_ms(moment) for tp in sorted(tps)}, timeout_ms=timeout()
         )
         offsets[moment] = {tp: (None if at[tp] is None else at[tp].offset) for tp in tps}
-    # Fetched last: every offset found above lies below these.
-    stable_ends = consumer.end_offsets(every, timeout_ms=timeout())
-    pending = open_transactions(uncommitted, stable_ends, timeout_ms=timeout())
-    newest = _newest_timestamps(consumer, every, log_starts, stable_ends, timeout)
-    for watch in (w for w in watches if w.table in tps_of):
-        tps = tps_of[watch.table]
-        start = starts[watch.table]
-        hours = min(int((floor_hour(now) - start) / HOUR), MAX_HOURS_PER_TICK)
-        out[watch.table] = TopicProgress(
-            partitions=tuple(tp.partition for tp in tps),
-            log_starts={tp.partition: log_starts[tp] for tp in tps},
-            stable_ends={tp.partition: stable_ends[tp] for tp in tps},
-            in_transaction=frozenset(tp.partition for tp in tps if tp in pending),
-            boundaries={
-                moment: {tp.partition: offsets[moment][tp] for tp in tps}
-                for moment in (start + HOUR * n for n in range(hours + 1))
-            },
-            newest_ms={tp.partition: newest[tp] for tp in tps if tp in newest},
-            first_data_hour=first_hour.get(watch.table),
-        )
-    return out
+    return offsets
 
 
 def _newest_timestamps(
