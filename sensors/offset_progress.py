@@ -17,7 +17,7 @@ the bootstrap servers; the cursor stays where it was, so the next tick starts ov
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -29,11 +29,14 @@ from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
 from sensors.cursor import Cursor, FleetCursor
 from sensors.lag import lag_if_due
-from sensors.planning import HourRange, HourState, plan_tick
-from sensors.topic_reads import Watch, read_fleet_progress_within
+from sensors.planning import HourRange, HourState, TickPlan, plan_tick
+from sensors.topic_reads import TopicProgress, Watch, read_fleet_progress_within
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
+
+# The tables requested together, by the span of hours (partition keys) they run.
+Together = dict[tuple[str, ...], list[tuple[TableSpec, HourRange]]]
 
 
 def build_offset_sensor(
@@ -51,7 +54,6 @@ def build_offset_sensor(
     (`plan_tick`); the tables whose same hours closed are requested together, in one run of
     the mirrors' multi-asset, which works on them in parallel.
     """
-    by_name = {spec.name: spec for spec in specs}
 
     @dg.sensor(
         name=name,
@@ -66,79 +68,149 @@ def build_offset_sensor(
         default_status=default_status,
     )
     def _offsets(context: dg.SensorEvaluationContext, kafka: KafkaResource) -> dg.SensorResult:
-        now = datetime.now(UTC)
-        cursor = FleetCursor.parse(context.cursor)
-        watches = [
-            Watch(
-                spec.name,
-                spec.topic,
-                hour_start(known.watch_from)
-                if (known := cursor.tables.get(spec.name)) and known.watch_from
-                else None,
-                spec.start_datetime,
-            )
-            for spec in specs
-        ]
-
-        tables = ", ".join(f"'{spec.name}'" for spec in specs[:3]) + (
-            f" and {len(specs) - 3} more" if len(specs) > 3 else ""
-        )
-        progress = read_fleet_progress_within(
+        return _tick(
+            context,
             kafka,
-            watches,
-            now=now,
-            timeout_seconds=kafka_timeout_seconds,
-            what=f"table {tables}, bootstrap servers {kafka.bootstrap_servers}",
-        )
-        together: dict[tuple[str, ...], list[tuple[TableSpec, HourRange]]] = {}
-        waiting, events = [], []
-        for watch in watches:
-            spec, found = by_name[watch.table], progress[watch.table]
-            if isinstance(found, SliceError):
-                context.log.error(str(found))
-                waiting.append(f"{spec.name}: {found}")
-                continue
-            watch_from = watch.watch_from or found.first_data_hour
-            if watch_from is None:
-                waiting.append(f"{spec.name}: no message since {spec.start_hour}")
-            else:
-                key = dg.AssetKey(spec.name)
-                plan = plan_tick(
-                    spec,
-                    found,
-                    cursor.tables.get(spec.name, Cursor()),
-                    now=now,
-                    watch_from=watch_from,
-                    watch_hours=watch_hours,
-                    already_materialized=lambda hours, key=key: _materialized_with_slice(
-                        context, key, hours
-                    ),
-                )
-                cursor.tables[spec.name] = plan.cursor
-                for hours in plan.ranges:
-                    span = tuple(h.key for h in hours.hours)
-                    together.setdefault(span, []).append((spec, hours))
-                if not plan.ranges and plan.waiting:
-                    waiting.append(f"{spec.name}: {plan.waiting}")
-            observation = lag_if_due(context, spec, found, cursor, now)
-            if observation is not None:
-                events.append(observation)
-        requests = [_run_request(span, tables) for span, tables in sorted(together.items())]
-        for span, tables in sorted(together.items()):
-            context.log.info(
-                f"requesting {span[0]}"
-                + (f"..{span[-1]}" if len(span) > 1 else "")
-                + f" of {len(tables)} tables: "
-                + ", ".join(spec.name for spec, _ in tables)
-            )
-        skip = None
-        if not requests:
-            skip = "; ".join(waiting[:5]) or "every closed hour was requested"
-        return dg.SensorResult(
-            run_requests=requests, cursor=cursor.dump(), asset_events=events, skip_reason=skip
+            specs,
+            watch_hours=watch_hours,
+            kafka_timeout_seconds=kafka_timeout_seconds,
         )
 
     return _offsets
+
+
+def _tick(
+    context: dg.SensorEvaluationContext,
+    kafka: KafkaResource,
+    specs: Sequence[TableSpec],
+    *,
+    watch_hours: int,
+    kafka_timeout_seconds: float,
+) -> dg.SensorResult:
+    """One tick: read every watched topic, plan each table's hours, request the closed ones
+    (the tables whose same hours closed in one run), and leave the cursor after them."""
+    now = datetime.now(UTC)
+    cursor = FleetCursor.parse(context.cursor)
+    watches = _watches(specs, cursor)
+    progress = read_fleet_progress_within(
+        kafka,
+        watches,
+        now=now,
+        timeout_seconds=kafka_timeout_seconds,
+        what=f"table {_table_names(specs)}, bootstrap servers {kafka.bootstrap_servers}",
+    )
+    together, waiting, events = _plan_tables(
+        context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
+    )
+    requests = [_run_request(span, tables) for span, tables in sorted(together.items())]
+    _log_requests(context, together)
+    skip = None
+    if not requests:
+        skip = "; ".join(waiting[:5]) or "every closed hour was requested"
+    return dg.SensorResult(
+        run_requests=requests, cursor=cursor.dump(), asset_events=events, skip_reason=skip
+    )
+
+
+def _watches(specs: Sequence[TableSpec], cursor: FleetCursor) -> list[Watch]:
+    """What to read of each table's topic: from the oldest hour its cursor still watches (none
+    on its first tick) on."""
+    return [
+        Watch(
+            spec.name,
+            spec.topic,
+            hour_start(known.watch_from)
+            if (known := cursor.tables.get(spec.name)) and known.watch_from
+            else None,
+            spec.start_datetime,
+        )
+        for spec in specs
+    ]
+
+
+def _table_names(specs: Sequence[TableSpec]) -> str:
+    """The first three tables by name, and how many more: for an error about all of them."""
+    return ", ".join(f"'{spec.name}'" for spec in specs[:3]) + (
+        f" and {len(specs) - 3} more" if len(specs) > 3 else ""
+    )
+
+
+def _plan_tables(
+    context: dg.SensorEvaluationContext,
+    specs: Sequence[TableSpec],
+    watches: Sequence[Watch],
+    progress: Mapping[str, TopicProgress | SliceError],
+    cursor: FleetCursor,
+    *,
+    now: datetime,
+    watch_hours: int,
+) -> tuple[Together, list[str], list[dg.AssetObservation]]:
+    """Plans each table's hours, table by table, and updates its cursor and lag in `cursor`.
+
+    Returns the tables to request per span of hours, why the others wait, and the lag
+    observations due.
+    """
+    by_name = {spec.name: spec for spec in specs}
+    together: Together = {}
+    waiting, events = [], []
+    for watch in watches:
+        spec, found = by_name[watch.table], progress[watch.table]
+        if isinstance(found, SliceError):
+            context.log.error(str(found))
+            waiting.append(f"{spec.name}: {found}")
+            continue
+        plan = _plan_table(context, spec, watch, found, cursor, now=now, watch_hours=watch_hours)
+        if plan is None:
+            waiting.append(f"{spec.name}: no message since {spec.start_hour}")
+        else:
+            cursor.tables[spec.name] = plan.cursor
+            for hours in plan.ranges:
+                span = tuple(h.key for h in hours.hours)
+                together.setdefault(span, []).append((spec, hours))
+            if not plan.ranges and plan.waiting:
+                waiting.append(f"{spec.name}: {plan.waiting}")
+        observation = lag_if_due(context, spec, found, cursor, now)
+        if observation is not None:
+            events.append(observation)
+    return together, waiting, events
+
+
+def _plan_table(
+    context: dg.SensorEvaluationContext,
+    spec: TableSpec,
+    watch: Watch,
+    found: TopicProgress,
+    cursor: FleetCursor,
+    *,
+    now: datetime,
+    watch_hours: int,
+) -> TickPlan | None:
+    """The table's plan for this tick (`plan_tick`); None while its topic holds no message
+    since the table's first hour."""
+    watch_from = watch.watch_from or found.first_data_hour
+    if watch_from is None:
+        return None
+    key = dg.AssetKey(spec.name)
+    return plan_tick(
+        spec,
+        found,
+        cursor.tables.get(spec.name, Cursor()),
+        now=now,
+        watch_from=watch_from,
+        watch_hours=watch_hours,
+        already_materialized=lambda hours: _materialized_with_slice(context, key, hours),
+    )
+
+
+def _log_requests(context: dg.SensorEvaluationContext, together: Together) -> None:
+    """One line per run requested: its hours and its tables."""
+    for span, tables in sorted(together.items()):
+        context.log.info(
+            f"requesting {span[0]}"
+            + (f"..{span[-1]}" if len(span) > 1 else "")
+            + f" of {len(tables)} tables: "
+            + ", ".join(spec.name for spec, _ in tables)
+        )
 
 
 def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]]) -> dg.RunRequest:
