@@ -26,7 +26,7 @@ from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
-from cdc_assets.partitions import hourly_partitions, mirrors_pool, table_pool
+from cdc_assets.partitions import hourly_partitions, mirrors_pool
 from cdc_assets.results import HourResult
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
@@ -109,50 +109,6 @@ def asset_description(spec: TableSpec) -> str:
             "(AES-256-SIV), and undeclared source columns are not stored until declared."
         )
     return description
-
-
-def mirror_asset(
-    spec: TableSpec,
-    compute: Callable,
-    *,
-    check_specs: list[dg.AssetCheckSpec],
-    required_resource_keys: set[str],
-    description: str,
-) -> dg.AssetsDefinition:
-    """`compute` as `spec`'s mirror asset: key, partitions, pool, checks, retries, metadata.
-
-    Shared by the in-process asset (`build_table_asset`) and the one whose hours run outside
-    Dagster through Pipes (`emr.assets.build_pipes_table_asset`), so both are the same
-    asset to Dagster.
-    """
-    with warnings.catch_warnings():
-        # BackfillPolicy is a beta API; dagster is pinned, so the warning says nothing new.
-        warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*backfill_policy")
-        return dg.asset(
-            name=spec.name,
-            description=description,
-            group_name=spec.group,
-            partitions_def=hourly_partitions(spec),
-            check_specs=check_specs,
-            kinds={"kafka", "spark", "delta"},
-            pool=table_pool(spec),
-            # A backfill runs as few runs as possible, each over a bounded range of hours.
-            backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=spec.hours_per_run),
-            # Transient failures (a broker or Spark hiccup) are retried; a wrong slice or config
-            # is raised as a Failure that is not (see `hour_failure`).
-            retry_policy=dg.RetryPolicy(
-                max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
-            ),
-            metadata={
-                "kafka_topic": spec.topic,
-                "primary_key": ", ".join(spec.primary_key),
-                "delete_mode": spec.delete_mode,
-                "error_table": spec.error_table_name,
-                # Names and modes only: what is masked, never a value.
-                **({"sensitive_columns": dict(spec.sensitive)} if spec.sensitive else {}),
-            },
-            required_resource_keys=required_resource_keys,
-        )(compute)
 
 
 @dataclass(frozen=True)
@@ -309,22 +265,46 @@ def partial_warning(spec: TableSpec, result: HourResult) -> str:
     return f"{spec.name} {result.hour_key} was forced while open: the result is partial."
 
 
+@dataclass(frozen=True)
+class MirrorsRun:
+    """One run of a mirrors asset, as its runner gets it: the selected tables, each with the
+    hours this run (or this attempt of it) still has to materialize, and their checks."""
+
+    work: list[tuple[TableSpec, list[str]]]
+    config: HourRunConfig
+    checks: MirrorChecks
+    check_specs: Mapping[str, list[dg.AssetCheckSpec]]
+
+
+@dataclass(frozen=True)
+class MirrorRunner:
+    """How a mirrors asset's run materializes its tables' hours: `run` yields the run's events
+    (`report_hours`); `resource_keys` are the resources it uses; `note` ends the assets'
+    descriptions. In this process (`IN_PROCESS`) or as Pipes jobs (`emr.assets.PIPES`)."""
+
+    run: Callable[[dg.AssetExecutionContext, MirrorsRun], Iterator]
+    resource_keys: frozenset[str]
+    note: str = ""
+
+
 def build_mirror_assets(
-    specs: Sequence[TableSpec], *, checks: MirrorChecks
+    specs: Sequence[TableSpec], *, checks: MirrorChecks, runner: MirrorRunner | None = None
 ) -> list[dg.AssetsDefinition]:
     """The mirrors of `specs`: one multi-asset per set of tables whose hourly partitions start
     at the same hour, each table still its own asset (partitions, checks, metadata). Each hour
     of a table is audited, validated and checked by `checks` (`checks.table_checks`).
 
-    A run materializes any subset of its tables over one hour or a range; the tables run in
-    parallel on the run's Spark session (`cdc_assets.fleet`), hour after hour, and each
-    table-hour is its own materialization, check results and Delta commit.
+    A run materializes any subset of its tables over one hour or a range, by `runner` (in this
+    process by default: the tables in parallel on the run's Spark session, `cdc_assets.fleet`);
+    each table-hour is its own materialization, check results and Delta commit.
     """
     groups: dict[str, list[TableSpec]] = {}
     for spec in specs:
         groups.setdefault(spec.start_hour, []).append(spec)
     return [
-        _mirrors_asset(group, name=_op_name(group, len(groups)), checks=checks)
+        _mirrors_asset(
+            group, name=_op_name(group, len(groups)), checks=checks, runner=runner or IN_PROCESS
+        )
         for group in groups.values()
     ]
 
@@ -338,16 +318,20 @@ def _op_name(group: list[TableSpec], groups: int) -> str:
     return f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if groups > 1 else "mirrors"
 
 
-def build_table_asset(*, spec: TableSpec, checks: MirrorChecks) -> dg.AssetsDefinition:
+def build_table_asset(
+    *, spec: TableSpec, checks: MirrorChecks, runner: MirrorRunner | None = None
+) -> dg.AssetsDefinition:
     """The hourly Delta mirror of `spec.topic` alone (a mirrors multi-asset of one table)."""
-    (asset,) = build_mirror_assets([spec], checks=checks)
+    (asset,) = build_mirror_assets([spec], checks=checks, runner=runner)
     return asset
 
 
-def _asset_spec(spec: TableSpec, partitions_def: dg.PartitionsDefinition) -> dg.AssetSpec:
+def _asset_spec(
+    spec: TableSpec, partitions_def: dg.PartitionsDefinition, note: str
+) -> dg.AssetSpec:
     return dg.AssetSpec(
         key=spec.name,
-        description=asset_description(spec),
+        description=asset_description(spec) + note,
         group_name=spec.group,
         partitions_def=partitions_def,
         kinds={"kafka", "spark", "delta"},
@@ -365,7 +349,7 @@ def _asset_spec(spec: TableSpec, partitions_def: dg.PartitionsDefinition) -> dg.
 
 
 def _mirrors_asset(
-    specs: list[TableSpec], *, name: str, checks: MirrorChecks
+    specs: list[TableSpec], *, name: str, checks: MirrorChecks, runner: MirrorRunner
 ) -> dg.AssetsDefinition:
     partitions_def = hourly_partitions(specs[0])
     checks_of = {
@@ -373,62 +357,29 @@ def _mirrors_asset(
     }
     by_key = {dg.AssetKey(spec.name): spec for spec in specs}
     # Every table with sensitive columns needs the key: hashes, and its error table's seal.
-    masking = any(spec.sensitive for spec in specs)
+    masking = {"masking"} if any(spec.sensitive for spec in specs) else set()
 
     def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
-        spark: SparkResource = context.resources.spark
         selected = [spec for key, spec in by_key.items() if key in context.selected_asset_keys]
         done = _materialized_in_this_run(context) if context.retry_number else set()
         work = [
-            TableWork(
-                spec,
-                [h for h in context.partition_keys if (spec.name, h) not in done],
-                _masking_key(context, spec),
-            )
+            (spec, [h for h in context.partition_keys if (spec.name, h) not in done])
             for spec in selected
         ]
-        work = [item for item in work if item.hour_keys]
-        checks.preload()  # while the Spark session starts
-        outcomes = run_tables(
-            spark=spark.session,
-            kafka=context.resources.kafka,
-            lake=context.resources.lake,
-            work=work,
-            checks=checks,
-            parallelism=spark.parallel_tables,
-            force_open_hour=config.force_open_hour,
-            local_read_max_records=spark.local_read_max_records,
-            on_done=lambda outcome: _log_table(context, outcome),
-        )
-        lake: LakeResource = context.resources.lake
-        failed = []
-        for outcome in outcomes:
-            spec = outcome.spec
-            reports = [
-                HourReport(
-                    hour.result.hour_key,
-                    result_metadata(hour.result, table_path=lake.table_path(spec.name)),
-                    hour.checks,
-                )
-                for hour in outcome.hours
-            ]
-            if outcome.error is None:
-                yield from report_hours(context, spec, checks_of[spec.name], reports)
-            else:
-                failed.append(outcome)
-                yield from report_done_hours(context, spec, checks_of[spec.name], reports)
-        if failed:
-            raise _tables_failure(failed, total=len(work))
+        work = [(spec, hours) for spec, hours in work if hours]
+        yield from runner.run(context, MirrorsRun(work, config, checks, checks_of))
 
     with warnings.catch_warnings():
         # BackfillPolicy is a beta API; dagster is pinned, so the warning says nothing new.
         warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*backfill_policy")
         return dg.multi_asset(
             name=name,
-            specs=[_asset_spec(spec, partitions_def) for spec in specs],
+            specs=[_asset_spec(spec, partitions_def, runner.note) for spec in specs],
             check_specs=[check for checks in checks_of.values() for check in checks],
             can_subset=True,
             partitions_def=partitions_def,
+            # One writer per table: every run that writes mirrors, and their maintenance,
+            # holds this pool (limit 1).
             pool=mirrors_pool(),
             # A backfill runs as few runs as possible, each over a bounded range of hours.
             backfill_policy=dg.BackfillPolicy.multi_run(
@@ -439,8 +390,49 @@ def _mirrors_asset(
             retry_policy=dg.RetryPolicy(
                 max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
             ),
-            required_resource_keys={"kafka", "spark", "lake"} | ({"masking"} if masking else set()),
+            required_resource_keys=set(runner.resource_keys) | masking,
         )(_mirrors)
+
+
+def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Iterator:
+    """The run's tables in parallel on its Spark session (`cdc_assets.fleet`), hour after hour;
+    a table that fails leaves the others materialized, and fails the run at the end."""
+    spark: SparkResource = context.resources.spark
+    lake: LakeResource = context.resources.lake
+    work = [TableWork(spec, hours, _masking_key(context, spec)) for spec, hours in run.work]
+    run.checks.preload()  # while the Spark session starts
+    outcomes = run_tables(
+        spark=spark.session,
+        kafka=context.resources.kafka,
+        lake=lake,
+        work=work,
+        checks=run.checks,
+        parallelism=spark.parallel_tables,
+        force_open_hour=run.config.force_open_hour,
+        local_read_max_records=spark.local_read_max_records,
+        on_done=lambda outcome: _log_table(context, outcome),
+    )
+    failed = []
+    for outcome in outcomes:
+        spec, check_specs = outcome.spec, run.check_specs[outcome.spec.name]
+        reports = [
+            HourReport(
+                hour.result.hour_key,
+                result_metadata(hour.result, table_path=lake.table_path(spec.name)),
+                hour.checks,
+            )
+            for hour in outcome.hours
+        ]
+        if outcome.error is None:
+            yield from report_hours(context, spec, check_specs, reports)
+        else:
+            failed.append(outcome)
+            yield from report_done_hours(context, spec, check_specs, reports)
+    if failed:
+        raise _tables_failure(failed, total=len(work))
+
+
+IN_PROCESS = MirrorRunner(run=_run_in_process, resource_keys=frozenset({"kafka", "spark", "lake"}))
 
 
 def _log_table(context: dg.AssetExecutionContext, outcome: TableRun) -> None:

@@ -1,10 +1,10 @@
 """A mirror's partitions and pools: what the asset, its checks, maintenance and the downstream
 assets share, so none of them reaches into the asset factory for it.
 
-Each table is partitioned by UTC hour from its `start_hour`. The runs that write mirrors hold
-one pool (`cdc_mirrors`, limit 1 in the instance): one writer per table, since each table's
-hours and its maintenance run only in runs holding it. The EMR Pipes path holds a pool per
-table (`table_pool`) instead.
+Each table is partitioned by UTC hour from its `start_hour`. The runs that write mirrors (in
+this process or through Pipes) and their maintenance hold one pool (`cdc_mirrors`, limit 1 in
+the instance): one writer per table, since each table's hours and its maintenance run only in
+runs holding it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,3 @@ def mirrors_pool() -> str:
     """The pool of every run that writes mirrors (limit 1): one writer per table, since each
     table's hours, and its maintenance, run only in runs holding this pool."""
     return MIRRORS_POOL
-
-
-def table_pool(spec: TableSpec) -> str:
-    """One pool per table: at most one run merges into a Delta table at a time."""
-    return f"cdc_table_{spec.name}"

@@ -1,10 +1,11 @@
 """The mirror assets whose hours run outside Dagster: the partition job, through Dagster Pipes.
 
-`build_pipes_table_asset(spec=...)` is the same asset as `cdc_assets.factory.build_table_asset`
-(key, hourly partitions, pool, check specs, retries, backfill policy; `mirror_asset` builds both),
-but for each hour of its run it starts the partition job, `emr/pipes_job.py`, through the
-`pipes_client` resource, and records what the job reported through Pipes: the hour's
-materialization metadata and check results, exactly as the in-process asset records its own.
+`build_pipes_mirror_assets(specs)` builds the same assets as
+`cdc_assets.factory.build_mirror_assets` (one builder: keys, hourly partitions, the pool, check
+specs, retries, backfill policy) with another runner (`PIPES`): for each hour of each selected
+table it starts the partition job, `emr/pipes_job.py`, through the `pipes_client` resource,
+and records what the job reported through Pipes: the hour's materialization metadata and check
+results, exactly as the in-process run records its own.
 
 Resources:
 
@@ -38,13 +39,14 @@ from cdc_assets.factory import (
     NOT_RETRIED,
     HourReport,
     HourRunConfig,
-    asset_description,
+    MirrorRunner,
+    MirrorsRun,
+    build_mirror_assets,
     hour_failure,
-    mirror_asset,
+    report_done_hours,
     report_hours,
 )
-from cdc_assets.partitions import hourly_partitions
-from checks.table_checks import run_check_specs
+from checks.table_checks import MIRROR_CHECKS
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import MaskingKeyError
@@ -400,24 +402,34 @@ class EMRClusterLaunch(EMRArtifacts):
 # ---- the asset
 
 
-def build_pipes_table_asset(*, spec: TableSpec) -> dg.AssetsDefinition:
-    """`spec`'s mirror asset, each hour materialized by the partition job through Pipes."""
-    check_specs = run_check_specs(spec, partitions_def=hourly_partitions(spec))
-
-    def _mirror(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
+def _run_through_pipes(context: dg.AssetExecutionContext, run: MirrorsRun) -> Iterator:
+    """Each selected table's hours, one partition job after the other; a job that fails ends
+    the run (the hours and tables before it stay materialized, and a retry skips them)."""
+    for spec, hour_keys in run.work:
+        check_specs = run.check_specs[spec.name]
         reports: list[HourReport] = []
-        for hour_key in context.partition_keys:
-            reports.append(_run_job(context, spec, hour_key, config, check_specs, done=reports))
+        try:
+            for hour_key in hour_keys:
+                reports.append(
+                    _run_job(context, spec, hour_key, run.config, check_specs, done=reports)
+                )
+        except Exception:
+            yield from report_done_hours(context, spec, check_specs, reports)
+            raise
         yield from report_hours(context, spec, check_specs, reports)
 
-    return mirror_asset(
-        spec,
-        _mirror,
-        check_specs=check_specs,
-        description=asset_description(spec)
-        + " Each hour runs as the partition job (emr/pipes_job.py) through Dagster Pipes.",
-        required_resource_keys={"pipes_client", "pipes_launch", "kafka", "lake"},
-    )
+
+PIPES = MirrorRunner(
+    run=_run_through_pipes,
+    resource_keys=frozenset({"pipes_client", "pipes_launch", "kafka", "lake"}),
+    note=" Each hour runs as the partition job (emr/pipes_job.py) through Dagster Pipes.",
+)
+
+
+def build_pipes_mirror_assets(specs: list[TableSpec]) -> list[dg.AssetsDefinition]:
+    """The mirrors of `specs`, each hour materialized by the partition job through Pipes: the
+    same assets as in-process (`cdc_assets.factory.build_mirror_assets`), another runner."""
+    return build_mirror_assets(specs, checks=MIRROR_CHECKS, runner=PIPES)
 
 
 def _run_job(

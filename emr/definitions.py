@@ -7,10 +7,11 @@ in the run worker (docs/emr.md says how to package, upload and grant it). Load i
     dagster code-server start -m emr.definitions
     # or in workspace.yaml: - python_module: emr.definitions
 
-It holds the mirror assets, built by `emr.assets.build_pipes_table_asset` (the same assets
-as in-process: keys, hourly partitions, pools, checks), and their offset sensors. Not here: the
-downstream assets (order_facts, daily_sales) and the standalone retention_risk check, which run
-Spark in the run worker; keep them in an in-process code location if you need them.
+It holds the mirror assets, built by `emr.assets.build_pipes_mirror_assets` (the same assets
+as in-process, by the same builder: keys, hourly partitions, the pool, checks), and their offset
+sensors. Not here: the downstream assets (order_facts, daily_sales) and the standalone
+retention_risk check, which run Spark in the run worker; keep them in an in-process code
+location if you need them.
 
 Environment, read when a run starts (dg.EnvVar), never at import (`kafka` and `lake` are the
 in-process deployment's, resources/environment.py, which sees whether CDC_LAKE_SINGLE_WRITER
@@ -44,7 +45,7 @@ from dagster_aws.pipes import (
 )
 
 from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
-from emr.assets import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_table_asset
+from emr.assets import EMRClusterLaunch, EMRServerlessLaunch, build_pipes_mirror_assets
 from resources.environment import resources_from_env
 from sensors.offset_progress import build_offset_sensor
 
@@ -165,7 +166,7 @@ def emr_on_ec2_resources() -> dict[str, Any]:
 
 def build_definitions(specs: list[TableSpec], resources: dict[str, Any]) -> dg.Definitions:
     return dg.Definitions(
-        assets=[build_pipes_table_asset(spec=spec) for spec in specs],
+        assets=build_pipes_mirror_assets(specs),
         sensors=[build_offset_sensor(specs=specs)],
         # The run worker only waits for the jobs; one process for all the assets of a run.
         executor=dg.in_process_executor,

@@ -188,9 +188,10 @@ def _hour_key(pipes: PipesContext) -> str:
 
 def run(pipes: PipesContext) -> None:
     spec = TableSpec.model_validate(pipes.get_extra(EXTRA_TABLE))
-    if pipes.asset_key != spec.name:
+    # The step may materialize several tables (a mirrors multi-asset); this job is one of them.
+    if spec.name not in pipes.asset_keys:
         raise JobConfigError(
-            f"the step materializes {pipes.asset_key}, the extras name {spec.name}"
+            f"the step materializes {', '.join(pipes.asset_keys)}, the extras name {spec.name}"
         )
     hour_key = _hour_key(pipes)
     kafka = job_kafka(pipes.extras.get(EXTRA_KAFKA) or {})
@@ -216,11 +217,12 @@ def run(pipes: PipesContext) -> None:
     if result.partial:
         pipes.log.warning(partial_warning(spec, result))
     pipes.report_asset_materialization(
-        metadata=to_pipes_metadata(result_metadata(result, table_path=path))
+        asset_key=spec.name, metadata=to_pipes_metadata(result_metadata(result, table_path=path))
     )
     pipes.report_custom_message({CHECK_DESCRIPTIONS: {c.check_name: c.description for c in checks}})
     for check in checks:
         pipes.report_asset_check(
+            asset_key=spec.name,
             check_name=check.check_name,
             passed=check.passed,
             severity=check.severity.value,

@@ -2,9 +2,10 @@
 
 `PipesSubprocessClient` starts the real entry script (emr/pipes_job.py) with pyspark's
 own spark-submit on local[1], against the session's real broker, into a local Delta lake. The
-hour it materializes must equal the reference replay, and Dagster must record the in-process
-asset's metadata and checks for it from what came through Pipes. An hour that is still open must
-fail the run with the job's own error, not retried, and write nothing.
+hours it materializes (two tables in one run) must equal the reference replay, and Dagster must
+record the in-process asset's metadata and checks for them from what came through Pipes. An
+hour that is still open must fail the run with the job's own error, not retried, and write
+nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dagster as dg
 import pytest
 
 from checks.table_checks import run_check_names
-from emr.assets import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_table_asset
+from emr.assets import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_mirror_assets
 from emr.pipes_job import session_conf
 from resources.lake import LakeResource
 from resources.spark import DEFAULT_JARS_DIR, REQUIRED_SESSION_CONF, SparkResource
@@ -97,12 +98,16 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
     topic = create_topic("pipes-accounts", partitions=2)
     spec = table.spec(topic)
     table.send_all(broker, topic, CHANGES)
+    # A second table in the same run: one multi-asset, one job per table-hour.
+    other_topic = create_topic("pipes-accounts-b", partitions=1)
+    other = spec.model_copy(update={"name": "accounts_b", "topic": other_topic})
+    table.send_all(broker, other_topic, CHANGES[:3])
     lake = LakeResource(root=str(tmp_path / "lake"))
     path = lake.table_path(spec.name)
 
     instance = dg.DagsterInstance.ephemeral()
     through_pipes = dg.materialize(
-        [build_pipes_table_asset(spec=spec)],
+        build_pipes_mirror_assets([spec, other]),
         partition_key=HOUR,
         instance=instance,
         resources=_pipes_resources(kafka, lake, tmp_path),
@@ -120,6 +125,11 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
         "different": [],
     }
     assert sorted(expected) == [(1,), (3,), (4,)]  # 2 deleted
+    other_expected = table.reference(broker, other, upto_hour=0).expected
+    assert sorted(other_expected) == [(1,), (2,), (3,)]
+    assert not any(
+        diff_rows(mirror_rows(spark, lake.table_path(other.name), other), other_expected).values()
+    )
     commits = _commits(path)
 
     # What the instance recorded came through Pipes: the in-process asset's metadata, typed as
@@ -153,7 +163,11 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
 
     # Every check of the table, recorded against the hour, passed, with its description and
     # typed metadata.
-    evaluations = {e.check_name: e for e in through_pipes.get_asset_check_evaluations()}
+    evaluations = {
+        e.check_name: e
+        for e in through_pipes.get_asset_check_evaluations()
+        if e.asset_key == dg.AssetKey(spec.name)
+    }
     assert set(evaluations) == set(run_check_names(spec))
     for name, evaluation in evaluations.items():
         assert evaluation.passed and evaluation.partition == HOUR, name
@@ -169,7 +183,7 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
     # An hour still open fails the run with the job's own error, and is not retried.
     open_hour = datetime.now(UTC).strftime("%Y-%m-%d-%H:00")
     failed = dg.materialize(
-        [build_pipes_table_asset(spec=spec)],
+        build_pipes_mirror_assets([spec]),
         partition_key=open_hour,
         instance=instance,
         resources=_pipes_resources(kafka, lake, tmp_path),
