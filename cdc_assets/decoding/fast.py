@@ -80,6 +80,15 @@ class FastPass:
         self.width = len(self.names)
         self.envelopes = _envelope_decoders(self.plan)
         self.any_json = msgspec.json.Decoder()
+        # A typed `after` struct's cells, in plan order (`_envelope_decoders`).
+        self.row_cells = (
+            attrgetter(*[f"c{n}" for n in range(self.width)]) if self.width > 1 else None
+        )
+        self.missing = list(repeat(_MISSING, self.width))
+        # Read once per record: bound here.
+        self.decode_typed, self.decode_untyped = (d.decode for d in self.envelopes)
+        self.plans, self.pk_index = decoder.plans, self.plan.pk_index
+        self.max_bytes, self.toasted = self.plan.max_record_bytes, bool(self.plan.toasted)
 
     def run(self, tally: Tally, key_range: KeyRange, seen: Seen) -> tuple[list[Part], list[int]]:
         groups, left_out = self._group()
@@ -93,95 +102,22 @@ class FastPass:
     # -- pass 1: parse and sort the records --
 
     def _group(self) -> tuple[dict[tuple[int, bool], _Group], list[int]]:
-        decoder, plan, records = self.decoder, self.plan, self.records
-        plans = decoder.plans
-        typed, untyped = self.envelopes
-        decode_typed, decode_untyped, any_json = typed.decode, untyped.decode, self.any_json.decode
-        names, width, pk_index = self.names, self.width, plan.pk_index
-        row_cells = attrgetter(*[f"c{n}" for n in range(width)]) if width > 1 else None
-        sequence = _sequence_reader(plan)
-        missing = list(repeat(_MISSING, width))
-        max_bytes, toasted = plan.max_record_bytes, bool(plan.toasted)
-        headers = records.headers
+        """The records of the common shape, grouped by row plan and kind; the others left out."""
+        sequence = _sequence_reader(self.plan)
+        parse, cells_of = self._parse, self._cells
         groups: dict[tuple[int, bool], _Group] = {}
         left_out: list[int] = []
-        skip = left_out.append
-        for i, value in enumerate(records.values):
-            if value is None or len(value) > max_bytes:
-                skip(i)
+        for i, value in enumerate(self.records.values):
+            parsed = parse(value)
+            read = cells_of(i, *parsed) if parsed is not None else None
+            if read is None:
+                left_out.append(i)
                 continue
-            if value.startswith(SCHEMA_PREFIX):
-                prefix = schema_prefix(value)
-                row_plan = plans.known_value(prefix)
-                if row_plan is None:
-                    row_plan = self._row_plan(value)
-                    if row_plan is None:
-                        skip(i)
-                        continue
-                payload = payload_of(value, prefix)
-            else:
-                row_plan, payload = plans.configured, value
-            extra = None
-            try:
-                envelope = decode_typed(payload)
-            except msgspec.ValidationError:
-                # `after` holds a column the plan doesn't know (or is no object): as a dict.
-                try:
-                    envelope = decode_untyped(payload)
-                except _PARSE_ERRORS:
-                    skip(i)
-                    continue
-                extra = envelope.after
-                if type(extra) is not dict:
-                    skip(i)
-                    continue
-            except _PARSE_ERRORS:
-                skip(i)
-                continue
-            op = envelope.op
-            delete = op == "d"
-            gone = None
-            if delete:
-                try:
-                    row = any_json(envelope.before)
-                except _PARSE_ERRORS:
-                    skip(i)
-                    continue
-                if type(row) is not dict:
-                    row = {}
-                cells = list(map(row.get, names))
-                if any(cells[k] is None for k in pk_index):
-                    skip(i)  # the key from the Kafka key: the exact pass
-                    continue
-                extra = None
-            elif op in APPLIED_OPS:
-                after = envelope.after
-                if after is None or (toasted and headers[i]):
-                    skip(i)
-                    continue
-                if extra is not None:
-                    cells = list(map(extra.get, names, missing))
-                elif row_cells is None:
-                    cells = [after.c0]
-                else:
-                    cells = list(row_cells(after))
-                if any(cells[k] is None or cells[k] is _MISSING for k in pk_index):
-                    skip(i)
-                    continue
-                if _MISSING in cells:
-                    gone = [n for n, cell in enumerate(cells) if cell is _MISSING]
-                    if not row_plan.may_lack.issuperset(gone):
-                        skip(i)
-                        continue
-                    for n in gone:
-                        cells[n] = None
-            else:
-                skip(i)
-                continue
+            row_plan, envelope, delete, cells, extra, gone = read
             try:
                 parts = sequence(envelope)
             except BadRecord:
-                skip(i)
+                left_out.append(i)
                 continue
             group = groups.get((id(row_plan), delete))
             if group is None:
@@ -192,10 +128,70 @@ class FastPass:
                 group.absent[len(group.rows)] = gone
             group.rows.append(i)
             group.cells.append(cells)
-            group.ops.append(op)
+            group.ops.append(envelope.op)
             group.sequences.append(parts)
             group.source_ts.append(source_micros(envelope.source))
         return groups, left_out
+
+    def _parse(self, value: bytes | None) -> tuple[RowPlan, Any, dict | None] | None:
+        """A record's row plan, its envelope parsed into the fields the decoder reads, and its
+        `after` as a dict when that holds a column the plan doesn't; None: not the fast pass's."""
+        if value is None or len(value) > self.max_bytes:
+            return None
+        plans = self.plans
+        if value.startswith(SCHEMA_PREFIX):
+            prefix = schema_prefix(value)
+            row_plan = plans.known_value(prefix) or self._row_plan(value)
+            if row_plan is None:
+                return None
+            payload = payload_of(value, prefix)
+        else:
+            row_plan, payload = plans.configured, value
+        try:
+            return row_plan, self.decode_typed(payload), None
+        except msgspec.ValidationError:
+            pass  # `after` holds a column the plan doesn't know (or is no object): as a dict
+        except _PARSE_ERRORS:
+            return None
+        try:
+            envelope = self.decode_untyped(payload)
+        except _PARSE_ERRORS:
+            return None
+        extra = envelope.after
+        return (row_plan, envelope, extra) if type(extra) is dict else None
+
+    def _cells(self, i: int, row_plan: RowPlan, envelope: Any, extra: dict | None) -> tuple | None:
+        """(row plan, envelope, delete, the plan columns' raw values, extra, the columns the
+        change lacks) of a delete or change the fast pass takes; None for any other record."""
+        op, pk_index = envelope.op, self.pk_index
+        if op == "d":
+            try:
+                row = self.any_json.decode(envelope.before)
+            except _PARSE_ERRORS:
+                return None
+            cells = list(map(row.get, self.names)) if type(row) is dict else [None] * self.width
+            if any(cells[k] is None for k in pk_index):
+                return None  # the key from the Kafka key: the exact pass
+            return row_plan, envelope, True, cells, None, None
+        after = envelope.after
+        if op not in APPLIED_OPS or after is None or (self.toasted and self.records.headers[i]):
+            return None
+        if extra is not None:
+            cells = list(map(extra.get, self.names, self.missing))
+        elif self.row_cells is None:
+            cells = [after.c0]
+        else:
+            cells = list(self.row_cells(after))
+        if any(cells[k] is None or cells[k] is _MISSING for k in pk_index):
+            return None
+        gone = None
+        if _MISSING in cells:
+            gone = [n for n, cell in enumerate(cells) if cell is _MISSING]
+            if not row_plan.may_lack.issuperset(gone):
+                return None
+            for n in gone:
+                cells[n] = None
+        return row_plan, envelope, False, cells, extra, gone
 
     # -- pass 2: convert a group a column at a time --
 
