@@ -190,7 +190,9 @@ def make(folder: Path, conf: dict[str, str]) -> Path:
     target = archive_path(conf, folder)
     if target is None:
         raise ArchiveNotMadeError("no java on PATH or under JAVA_HOME")
-    if SparkContext._gateway is not None:
+    # Only a JVM started with the archive's option writes it. pyspark starts one JVM per
+    # process and keeps it after sessions stop; only its private gateway says whether it did.
+    if SparkContext._gateway is not None:  # noqa: SLF001
         raise ArchiveNotMadeError("a Spark session already runs in this process")
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / ".lock").open("w") as lock:
@@ -234,13 +236,15 @@ def _stop_jvm(spark) -> None:
     """Stops the session and its JVM, which writes the archive as it exits."""
     from pyspark import SparkContext
 
-    gateway = SparkContext._gateway
+    # pyspark has no public way to stop its JVM (spark.stop() leaves it running for the next
+    # session): this shuts down the gateway pyspark keeps, and makes pyspark forget it.
+    gateway = SparkContext._gateway  # noqa: SLF001
     process = gateway.proc
     try:
         spark.stop()
         gateway.shutdown()
     finally:
-        SparkContext._gateway = SparkContext._jvm = None
+        SparkContext._gateway = SparkContext._jvm = None  # noqa: SLF001
         process.stdin.close()  # the JVM exits on its standard input's end
         try:
             process.wait(timeout=600)

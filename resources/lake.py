@@ -219,7 +219,9 @@ class LakeResource(dg.ConfigurableResource):
             return
         s3 = self.s3 or S3Resource()
         settings = s3a_settings(s3, location.bucket, path_style_access=self.s3_path_style_access)
-        hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+        # PySpark has no public handle on the running context's Hadoop configuration (SparkConf's
+        # spark.hadoop.* reach it only when the context starts): the JVM context's is set.
+        hadoop = spark.sparkContext._jsc.hadoopConfiguration()  # noqa: SLF001
         try:
             hadoop.getClassByName(S3A_FILESYSTEM)
         except Exception as error:
@@ -252,8 +254,10 @@ class LakeResource(dg.ConfigurableResource):
 
 def delta_log_store(spark: SparkSession, path: str) -> str:
     """The class of the log store Delta commits to `path` with, resolved as Delta resolves it."""
-    jvm = spark.sparkContext._jvm
-    delegating = jvm.org.apache.spark.sql.delta.storage.LogStore.apply(spark._jsparkSession)
+    # Delta's log stores have no Python API: this asks the JVM, through pyspark's gateway.
+    jvm = spark.sparkContext._jvm  # noqa: SLF001
+    session = spark._jsparkSession  # noqa: SLF001
+    delegating = jvm.org.apache.spark.sql.delta.storage.LogStore.apply(session)
     try:
         store = delegating.getDelegate(jvm.org.apache.hadoop.fs.Path(path))
     except Exception as error:

@@ -78,7 +78,10 @@ def session_settings(spark: SparkSession, settings: Mapping[str, str]) -> Iterat
 def compiled_classes(spark: SparkSession) -> int:
     """The classes Spark's code generation has compiled in this JVM so far (its cache misses):
     what `codegen_cache_entries` saves, counted by benchmarks/small_hours and its test."""
-    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
+    # PySpark has no API for Spark's code generation metrics (a JVM metrics source): they are
+    # read through pyspark's gateway to the JVM, which it keeps private.
+    jvm = spark.sparkContext._jvm  # noqa: SLF001
+    metrics = jvm.org.apache.spark.metrics.source.CodegenMetrics
     return int(metrics.METRIC_COMPILATION_TIME().getCount())
 
 
