@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -267,69 +268,102 @@ def exact_part(
     seen: Seen,
 ) -> Part:
     """The records `rows` decoded one by one (`RecordDecoder.decode`)."""
-    plan = decoder.plan
-    width = len(plan.columns)
-    keys, raw = records.keys, records.values
-    partitions, offsets, headers = records.partitions, records.offsets, records.headers
-    columns: list[list] = [[] for _ in range(width)]
-    out_keys, out_values, ops, sequences, source_ts, errors = [], [], [], [], [], []
-    has_columns: list[list] = [[] for _ in plan.toasted]
-    moved: list = []
-    no_values, no_flags = [None] * width, [False] * len(plan.toasted)
-    parts = [path.replace(".", "_") for path, _ in plan.sequence]
+    out = _ExactRows.of(decoder.plan)
     for i in rows:
-        value, values, meta, error = raw[i], no_values, {}, None
+        key, value, partition, offset = (
+            records.keys[i],
+            records.values[i],
+            records.partitions[i],
+            records.offsets[i],
+        )
+        values, meta, error = out.no_values, {}, None
         decoder.seen = None
         if value is not None:
             try:
-                values, meta = decoder.decode(keys[i], value, headers[i])
+                values, meta = decoder.decode(key, value, records.headers[i])
             except BadRecord as exc:
-                error, values, meta = str(exc), no_values, {}
-        decoder.count(tally, key_range, value, values, meta, error, partitions[i], offsets[i])
-        for n in range(width):
-            columns[n].append(values[n])
-        ops.append(meta.get("op"))
-        sequence = meta.get("sequence")
-        if sequence is None:
-            sequences.append(None)
-        else:
-            entry = dict(zip(parts, sequence, strict=True))
-            entry["kafka_partition"], entry["kafka_offset"] = partitions[i], offsets[i]
-            sequences.append(entry)
-        source_ts.append(meta.get("source_ts"))
-        errors.append(error)
-        for n, flag in enumerate(meta.get("has") or no_flags):
-            has_columns[n].append(flag)
-        moved.append(meta.get("moved_from"))
-        keep = error is not None or plan.keep_raw
-        out_keys.append(keys[i] if keep else None)
-        out_values.append(value if keep else None)
+                error = str(exc)
+        decoder.count(tally, key_range, value, values, meta, error, partition, offset)
+        out.add(key, value, values, meta, error, partition, offset)
         if isinstance(decoder.seen, SourceShape):
             seen.shape.merge(decoder.seen)
         elif decoder.seen:
             for name, kind in decoder.seen.items():
-                seen.kind(name, kind, partitions[i], offsets[i])
-    batch = records.batch
-    taken = pa.array(list(rows), pa.int64())
-    arrays = [
-        pa.array(out_keys, pa.binary()),
-        pa.array(out_values, pa.binary()),
-        batch.column("topic").take(taken).cast(pa.string()),
-        *[
-            pa.array(values, schema.field(name).type)
-            for (name, _), values in zip(plan.columns, columns, strict=True)
-        ],
-        pa.array(ops, pa.string()),
-        pa.array(sequences, schema.field(SEQUENCE).type),
-        pa.array(source_ts, pa.timestamp("us", tz="UTC")),
-        batch.column("partition").take(taken).cast(pa.int32()),
-        batch.column("offset").take(taken).cast(pa.int64()),
-        batch.column("timestamp").take(taken).cast(pa.timestamp("us", tz="UTC")),
-        pa.array([plan.hour_key] * len(rows), pa.string()),
-        pa.array([op == "d" for op in ops], pa.bool_()),
-        pa.array(errors, pa.string()),
-        batch.column("value").take(taken).is_null(),
-        *[pa.array(flags, pa.bool_()) for flags in has_columns],
-        *([pa.array(moved, schema.field(MOVED_FROM).type)] if plan.toasted else []),
-    ]
-    return Part(list(rows), arrays)
+                seen.kind(name, kind, partition, offset)
+    return Part(list(rows), out.arrays(records.batch, rows, schema))
+
+
+@dataclass
+class _ExactRows:
+    """The exact pass's rows, a list per output column, filled record by record."""
+
+    plan: DecodePlan
+    no_values: list
+    columns: list[list]
+    has: list[list]
+    sequence_parts: list[str]
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    ops: list = field(default_factory=list)
+    sequences: list = field(default_factory=list)
+    source_ts: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    moved: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: DecodePlan) -> _ExactRows:
+        return cls(
+            plan,
+            no_values=[None] * len(plan.columns),
+            columns=[[] for _ in plan.columns],
+            has=[[] for _ in plan.toasted],
+            sequence_parts=[path.replace(".", "_") for path, _ in plan.sequence],
+        )
+
+    def add(
+        self, key, value, values: list, meta: dict, error: str | None, partition, offset
+    ) -> None:
+        """One record's row: its values, metadata and error; its raw bytes when kept."""
+        for column, decoded in zip(self.columns, values, strict=True):
+            column.append(decoded)
+        self.ops.append(meta.get("op"))
+        sequence = meta.get("sequence")
+        if sequence is not None:
+            sequence = dict(zip(self.sequence_parts, sequence, strict=True))
+            sequence["kafka_partition"], sequence["kafka_offset"] = partition, offset
+        self.sequences.append(sequence)
+        self.source_ts.append(meta.get("source_ts"))
+        self.errors.append(error)
+        for column, flag in zip(self.has, meta.get("has") or [False] * len(self.has), strict=True):
+            column.append(flag)
+        self.moved.append(meta.get("moved_from"))
+        keep = error is not None or self.plan.keep_raw
+        self.keys.append(key if keep else None)
+        self.values.append(value if keep else None)
+
+    def arrays(self, batch: pa.RecordBatch, rows: Sequence[int], schema: pa.Schema) -> list:
+        """The rows as the output schema's arrays (SHAPE and TALLY excepted)."""
+        plan = self.plan
+        taken = pa.array(list(rows), pa.int64())
+        utc = pa.timestamp("us", tz="UTC")
+        return [
+            pa.array(self.keys, pa.binary()),
+            pa.array(self.values, pa.binary()),
+            batch.column("topic").take(taken).cast(pa.string()),
+            *[
+                pa.array(values, schema.field(name).type)
+                for (name, _), values in zip(plan.columns, self.columns, strict=True)
+            ],
+            pa.array(self.ops, pa.string()),
+            pa.array(self.sequences, schema.field(SEQUENCE).type),
+            pa.array(self.source_ts, utc),
+            batch.column("partition").take(taken).cast(pa.int32()),
+            batch.column("offset").take(taken).cast(pa.int64()),
+            batch.column("timestamp").take(taken).cast(utc),
+            pa.array([plan.hour_key] * len(rows), pa.string()),
+            pa.array([op == "d" for op in self.ops], pa.bool_()),
+            pa.array(self.errors, pa.string()),
+            batch.column("value").take(taken).is_null(),
+            *[pa.array(flags, pa.bool_()) for flags in self.has],
+            *([pa.array(self.moved, schema.field(MOVED_FROM).type)] if plan.toasted else []),
+        ]
