@@ -157,23 +157,19 @@ class SparkResource(dg.ConfigurableResource):
         default=100,
         ge=1,
         description=(
-            "SQL queries, jobs and stages whose plans and metrics the session keeps for its "
-            "UI and status API (Spark keeps 1,000 of each, even with the UI off). A table-hour "
-            "runs about 30 queries, and the text of a Delta query's plan alone can be 50 KB: "
-            "a process that runs many table-hours (the fleet, a backfill, the tests) would "
-            "keep the last 1,000 in the driver's heap."
+            "SQL queries, jobs and stages whose plans and metrics the session keeps in the "
+            "driver's heap for its UI and status API (Spark keeps 1,000 of each, even with the "
+            "UI off). Raise it to see more history in a session's UI."
         ),
     )
+    # 2 MB less a Java array's 16-byte header, as Spark sizes its own pages: G1 stores an array
+    # of a whole 2 MB in one more region than it needs (docs/benchmark.md has the figures).
     memory_page_size: str = Field(
         default="2097136b",
         description=(
-            "spark.buffer.pageSize: the memory an aggregation, sort or join takes at a time. "
-            "Spark sizes it from the heap (32 MB at a 2g driver on 2 cores), and every such "
-            "operator takes a whole page for its first row: with Spark's size, the tests' "
-            "table-hours kept 140-508 MB of long arrays live, mostly such pages. Larger inputs "
-            "take more "
-            "pages. 2 MB less the 16 bytes of a Java array's header, as Spark's own size: G1 "
-            "stores an array of a whole 2 MB in one more region than it needs."
+            "spark.buffer.pageSize: the memory an aggregation, sort or join takes at a time, a "
+            "whole page for its first row. Spark sizes it from the heap, far more than a small "
+            "hour needs; larger inputs take more pages."
         ),
     )
     delta_snapshot_partitions: int = Field(
@@ -187,13 +183,10 @@ class SparkResource(dg.ConfigurableResource):
         default=1000,
         ge=0,
         description=(
-            "Generated classes Spark keeps compiled (spark.sql.codegen.cache.maxEntries, a "
-            "static setting: Spark reads it once per JVM, at its first code generation, so it "
-            "counts only when this resource starts the session; 0 turns the cache off). "
-            "Spark's 100 is fewer than one table-hour's plans generate (~110), so its LRU cache "
-            "missed on every class and each hour of a process compiled them all again. It "
-            "pays off in processes that run many hours (backfills, the tests); the classes "
-            "live in the JVM's Metaspace, outside driver_memory."
+            "Generated classes Spark keeps compiled (spark.sql.codegen.cache.maxEntries; 0: "
+            "none), so each hour of a process does not compile a table's classes again. Spark "
+            "reads it once per JVM: it counts only when this resource starts the session. The "
+            "classes take Metaspace, outside driver_memory."
         ),
     )
     parallel_tables: int = Field(
