@@ -1,0 +1,1 @@
+"""The mirrors: table specs, the hour run and its stages, the decoder, the assets."""

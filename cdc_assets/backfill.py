@@ -1,7 +1,7 @@
-"""Backfills a range of hours of one or several mirrors from the command line, as the UI's
+r"""Backfills a range of hours of one or several mirrors from the command line, as the UI's
 Backfill button does.
 
-    python -m cdc_assets.backfill --from 2026-11-21-18:00 --to 2026-11-21-21:00 \\
+    python -m cdc_assets.backfill --from 2026-11-21-18:00 --to 2026-11-21-21:00 \
         [--table orders --table customers] [--host 127.0.0.1 --port 3000] [--no-wait]
 
 `dagster asset materialize --partition-range` refuses the mirrors: Dagster's CLI runs a range

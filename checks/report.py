@@ -1,6 +1,6 @@
-"""Per-hour check results of one mirror table, from outside the UI.
+r"""Per-hour check results of one mirror table, from outside the UI.
 
-    python -m checks.report --table orders --from 2026-11-02-06:00 --to 2026-11-02-09:00 \\
+    python -m checks.report --table orders --from 2026-11-02-06:00 --to 2026-11-02-09:00 \
         [--json report.json] [--tables-file path]
 
 Reads the Dagster instance named by DAGSTER_HOME (the one the webserver and daemon use) and

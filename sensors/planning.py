@@ -1,6 +1,7 @@
-"""Which hours of a table are due, decided from one tick's look at its topic. Pure (no Kafka,
-no Dagster): the sensor reads the topic (sensors/topic_reads.py), then, hour by hour from the
-oldest hour it still watches up to now, this decides:
+"""Which hours of a table are due, decided from one tick's look at its topic.
+
+Pure (no Kafka, no Dagster): the sensor reads the topic (sensors/topic_reads.py), then, hour
+by hour from the oldest hour it still watches up to now, this decides:
 
 - **closed**: the rule of `cdc_assets.slicing.open_reason`, the same one the run applies: every
   partition holds a committed message stamped at or after the hour's end, or the end plus the
