@@ -1,24 +1,12 @@
 """A class-data archive for the Spark driver's JVM: its classes mapped at start, not loaded.
 
-Every process that starts a Spark session (a Dagster run, a backfill, a test's child process)
-loads and verifies the same tens of thousands of JVM classes (Spark's, Delta's, Kafka's) before
-its first job. The JDK's application class-data sharing (AppCDS) stores them once, parsed and
-verified, in an archive the JVM maps at start. `scripts/install.sh` makes it (`main`, into
-`.jars/jvm-archive/`; delete that folder to have it made again): a session started with
-`-XX:ArchiveClassesAtExit` runs a small workload through the paths an hour takes (Delta writes,
-a MERGE with deletion vectors, Arrow to Python and back, reads with filters, aggregations, the
-Kafka source's relation) and stops. `SparkResource` then starts the driver with
-`-XX:SharedArchiveFile` (in `spark.driver.defaultJavaOptions`, so `extraJavaOptions` stay the
-host's and the user's) when the archive for its JVM and class path exists; `jvm_archive_dir:
-None` turns it off, and so do JVM options that choose their own class sharing.
-
-The archive's name is a digest of what the JVM checks before it uses one: the java binary,
-pyspark's jars, the jars the session puts on the class path (each with its size and time), the
-environment variables that add to the class path, and whether the heap is small enough for
-compressed pointers. Change any of them and the name changes: no archive is found, the JVM
-starts as it did without one, and the next `scripts/install.sh` makes the new one. A JVM that
-still can't use a found archive (a different JDK build at the same path and time) starts
-without it; nothing depends on the archive but the time.
+Every process that starts a Spark session loads and verifies the same tens of thousands of JVM
+classes before its first job; the JDK's application class-data sharing (AppCDS) keeps them,
+parsed and verified, in an archive the JVM maps at start. `scripts/install.sh` makes it (`main`,
+into `.jars/jvm-archive/`; delete that folder to have it made again), and `SparkResource` starts
+the driver on it when the archive of its java and class path exists (`jvm_archive_dir: None`
+turns it off). Without a usable archive the JVM starts as it would without one: nothing depends
+on the archive but the time.
 """
 
 from __future__ import annotations
@@ -92,7 +80,13 @@ def _compressed_oops(conf: Mapping[str, str]) -> bool:
 
 
 def archive_path(conf: Mapping[str, str], folder: Path) -> Path | None:
-    """Where the archive of a session with Spark conf `conf` is (or goes); None without java."""
+    """Where the archive of a session with Spark conf `conf` is (or goes); None without java.
+
+    The name is a digest of what the JVM checks before it uses an archive: the java binary,
+    pyspark's jars, the jars the session puts on the class path (each with its size and time),
+    the environment variables that add to the class path, and whether the heap gets compressed
+    pointers. Change any of them and no archive is found until `scripts/install.sh` makes one.
+    """
     java = java_binary()
     if java is None:
         return None
@@ -124,7 +118,9 @@ def with_archive(conf: dict[str, str], folder: Path | None) -> dict[str, str]:
 
 
 def _workload(spark, work: Path) -> None:
-    """The code paths an hour's run takes, on a few rows (their classes get archived)."""
+    """The code paths an hour's run takes, on a few rows (their classes get archived): Delta
+    writes, a MERGE with deletion vectors, Arrow to Python and back, reads with filters,
+    aggregations, the Kafka source's relation."""
     from delta.tables import DeltaTable
     from pyspark.sql import Window
     from pyspark.sql import functions as F
