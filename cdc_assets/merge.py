@@ -121,42 +121,12 @@ def ensure_mirror_table(
     applied to an existing mirror that differs.
     """
     schema = changes.schema
-    feed = bool(spec.change_data_feed)
-    table = (
-        DeltaTable.createIfNotExists(spark)
-        .location(path)
-        .addColumns(schema)
-        .property(CHANGE_DATA_FEED, str(feed).lower())
-        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
-        .execute()
-    )
-    quoted = path.replace("`", "``")
+    table = _create_if_not_exists(spark, path, schema, spec)
     properties = table_properties(spark, path)
     check_deletion_vectors(path, spec, properties)
-    if spec.change_data_feed is not None and properties.get(CHANGE_DATA_FEED, "false") != (
-        str(feed).lower()
-    ):
-        log.info(
-            "table '%s': change_data_feed is %s in the tables file, so the mirror's %s is set "
-            "to %s",
-            spec.name,
-            str(feed).lower(),
-            CHANGE_DATA_FEED,
-            str(feed).lower(),
-        )
-        spark.sql(
-            f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES "
-            f"('{CHANGE_DATA_FEED}' = '{str(feed).lower()}')"
-        )
+    _apply_change_data_feed(spark, path, spec, properties)
     stored_schema = table.toDF().schema
-    stored = {f.name.lower() for f in stored_schema}
-    missing = [
-        f"`{name}` {schema[name].dataType.simpleString()}"
-        for name in toast.mirror_columns(spec)
-        if name.lower() not in stored
-    ]
-    if missing:
-        spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
+    missing = _add_toast_columns(spark, path, spec, schema, stored_schema)
     filled = fill_defaults(
         spark,
         path,
@@ -167,6 +137,60 @@ def ensure_mirror_table(
     )
     # A DeltaTable made before its schema changed refuses to MERGE: make it again.
     return DeltaTable.forPath(spark, path) if missing or filled else table
+
+
+def _create_if_not_exists(
+    spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec
+) -> DeltaTable:
+    """The mirror at `path`, created with `schema` and the table's settings if it is new."""
+    return (
+        DeltaTable.createIfNotExists(spark)
+        .location(path)
+        .addColumns(schema)
+        .property(CHANGE_DATA_FEED, str(bool(spec.change_data_feed)).lower())
+        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
+        .execute()
+    )
+
+
+def _apply_change_data_feed(
+    spark: SparkSession, path: str, spec: TableSpec, properties: Mapping[str, str]
+) -> None:
+    """Sets the mirror's change data feed to the table's `change_data_feed` where it is set
+    and the mirror's differs."""
+    feed = str(bool(spec.change_data_feed)).lower()
+    if spec.change_data_feed is None or properties.get(CHANGE_DATA_FEED, "false") == feed:
+        return
+    log.info(
+        "table '%s': change_data_feed is %s in the tables file, so the mirror's %s is set to %s",
+        spec.name,
+        feed,
+        CHANGE_DATA_FEED,
+        feed,
+    )
+    quoted = path.replace("`", "``")
+    spark.sql(f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES ('{CHANGE_DATA_FEED}' = '{feed}')")
+
+
+def _add_toast_columns(
+    spark: SparkSession,
+    path: str,
+    spec: TableSpec,
+    schema: T.StructType,
+    stored_schema: T.StructType,
+) -> list[str]:
+    """Adds the toasted-value rule's columns the mirror lacks (it predates them), since the
+    MERGE reads them from the table; returns the columns added, as SQL."""
+    stored = {f.name.lower() for f in stored_schema}
+    missing = [
+        f"`{name}` {schema[name].dataType.simpleString()}"
+        for name in toast.mirror_columns(spec)
+        if name.lower() not in stored
+    ]
+    if missing:
+        quoted = path.replace("`", "``")
+        spark.sql(f"ALTER TABLE delta.`{quoted}` ADD COLUMNS ({', '.join(missing)})")
+    return missing
 
 
 # The comment a column carries from when it is added to a mirror that holds rows until its
