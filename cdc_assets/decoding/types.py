@@ -63,17 +63,19 @@ def spark_type(declared: str) -> str:
 
 def spark_data_type(declared: str) -> T.DataType:
     """The Spark type a declared column is stored as."""
-    item = array_item(declared)
-    if item is not None:
-        return T.ArrayType(spark_data_type(item))
-    shape = decimal_shape(declared)
-    return T.DecimalType(*shape) if shape else _STORED[declared][1]
+    return _stored(declared, 1, T.ArrayType, T.DecimalType)
 
 
 def arrow_type(declared: str) -> pa.DataType:
     """The Arrow type the decoder fills for a declared column."""
+    return _stored(declared, 2, pa.list_, pa.decimal128)
+
+
+def _stored(declared: str, system: int, array, decimal):
+    """`declared`'s type in `_STORED`'s column `system`: an array of its item's, a decimal of
+    its precision and scale, else the scalar's."""
     item = array_item(declared)
     if item is not None:
-        return pa.list_(arrow_type(item))
+        return array(_stored(item, system, array, decimal))
     shape = decimal_shape(declared)
-    return pa.decimal128(*shape) if shape else _STORED[declared][2]
+    return decimal(*shape) if shape else _STORED[declared][system]
