@@ -1,9 +1,11 @@
-"""The asset factory: one hourly-partitioned Delta mirror asset per table spec.
+"""The asset factory: the mirror assets of the table specs, by one builder.
 
-A run materializes one hour, or a range of hours (a backfill, or the offset sensor catching
-up), hour after hour in one process and one Spark session: each hour is still its own slice,
-its own MERGE commit, its own metadata and its own check results, so a range gives exactly
-what running its hours one by one gives.
+`build_mirror_assets` makes one multi-asset per set of tables with the same first hour, each
+table its own hourly-partitioned asset. A run materializes any of its tables over one hour or a
+range, by a `MirrorRunner`: in this process (`IN_PROCESS`: the tables in parallel on the run's
+Spark session) or through Pipes (`emr.assets.PIPES`). Each hour is still its own slice, MERGE
+commit, metadata and check results (`cdc_assets.reporting`), so a range gives exactly what
+running its hours one by one gives.
 """
 
 import warnings
@@ -11,12 +13,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
-
-# Dagster records a check result against one partition only through this event; a range run
-# (a backfill) has no public way to name the hour a result belongs to.
-from dagster._core.definitions.asset_checks.asset_check_evaluation import (
-    AssetCheckEvaluationTargetMaterializationData,
-)
 from pydantic import Field
 
 from cdc_assets import rule
@@ -27,7 +23,14 @@ from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
 from cdc_assets.partitions import hourly_partitions, mirrors_pool
-from cdc_assets.results import HourResult
+from cdc_assets.reporting import (
+    HourReport,
+    hour_summary,
+    partial_warning,
+    report_done_hours,
+    report_hours,
+    result_metadata,
+)
 from cdc_assets.sealing import ErrorTableSealingError
 from cdc_assets.slicing import SliceError
 from resources.lake import LakeConfigError, LakeResource
@@ -58,41 +61,6 @@ NOT_RETRIED: tuple[type[Exception], ...] = (
 )
 
 
-def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.MetadataValue]:
-    """What a person reads in the UI for one hour; numbers are typed so the UI plots them."""
-    counts = result.counts
-    offsets = {
-        str(p.partition): {"start": p.start, "end": p.end, "records": p.size}
-        for p in result.slice.partitions
-    }
-    metadata: dict[str, dg.MetadataValue] = {
-        "kafka_topic": dg.MetadataValue.text(result.slice.topic),
-        "kafka_offsets": dg.MetadataValue.json(offsets),
-        "slice_records": dg.MetadataValue.int(result.slice.size),
-        "consumed": dg.MetadataValue.int(counts.consumed),
-        "applied": dg.MetadataValue.int(counts.applied),
-        "superseded": dg.MetadataValue.int(counts.superseded),
-        "stale": dg.MetadataValue.int(counts.stale),
-        "tombstones": dg.MetadataValue.int(counts.tombstones),
-        "errors": dg.MetadataValue.int(counts.errors),
-        "error_reasons": dg.MetadataValue.json(result.error_reasons),
-        "rows_inserted": dg.MetadataValue.int(result.rows_inserted),
-        "rows_updated": dg.MetadataValue.int(result.rows_updated),
-        "rows_deleted": dg.MetadataValue.int(result.rows_deleted),
-        "delta_version": dg.MetadataValue.int(result.delta_version),
-        "delta_path": dg.MetadataValue.path(table_path),
-        "partial_hour": dg.MetadataValue.bool(result.partial),
-    }
-    if result.slice.lost:
-        metadata["lost_offsets"] = dg.MetadataValue.text(
-            "; ".join(r.describe() for r in result.slice.lost)
-        )
-    if result.lag_seconds is not None:
-        metadata["lag_seconds"] = dg.MetadataValue.float(round(result.lag_seconds, 3))
-        metadata["newest_source_ts"] = dg.MetadataValue.timestamp(result.newest_source_ts)
-    return metadata
-
-
 def asset_description(spec: TableSpec) -> str:
     """The mirror asset's description, as the UI shows it."""
     description = (
@@ -111,134 +79,6 @@ def asset_description(spec: TableSpec) -> str:
     return description
 
 
-@dataclass(frozen=True)
-class HourReport:
-    """What one hour of a run reports: its materialization metadata and its check results."""
-
-    hour_key: str
-    metadata: Mapping[str, dg.MetadataValue]
-    checks: list[dg.AssetCheckResult]
-
-
-def report_hours(
-    context: dg.AssetExecutionContext,
-    spec: TableSpec,
-    check_specs: list[dg.AssetCheckSpec],
-    reports: list[HourReport],
-) -> Iterator:
-    """The events of a run that materialized `reports`' hours of `spec`, one or a range."""
-    key = dg.AssetKey(spec.name)
-    if context.has_partition_key:
-        (report,) = reports
-        checks = [_for_asset(check, key) for check in report.checks]
-        yield dg.MaterializeResult(asset_key=key, metadata=report.metadata, check_results=checks)
-        return
-    # A range: each hour's materialization carries that hour's metadata, and each check
-    # result is recorded against its hour once the materializations exist.
-    for report in reports:
-        context.add_asset_metadata(report.metadata, asset_key=key, partition_key=report.hour_key)
-    yield dg.MaterializeResult(asset_key=key)
-    yield from _check_outputs(context, check_specs, key)
-    yield from _hour_checks(context, spec, check_specs, reports)
-
-
-def report_done_hours(
-    context: dg.AssetExecutionContext,
-    spec: TableSpec,
-    check_specs: list[dg.AssetCheckSpec],
-    reports: list[HourReport],
-) -> Iterator:
-    """The hours a table committed before one of the run's range failed: each recorded as its
-    own partition's materialization, with its checks (the failed hours are not)."""
-    key = dg.AssetKey(spec.name)
-    for report in reports:
-        yield dg.AssetMaterialization(
-            asset_key=key, partition=report.hour_key, metadata=report.metadata
-        )
-    yield from _hour_checks(context, spec, check_specs, reports)
-
-
-def _check_outputs(
-    context: dg.AssetExecutionContext, check_specs: list[dg.AssetCheckSpec], key: dg.AssetKey
-) -> Iterator:
-    selected = context.selected_asset_check_keys
-    for check_spec in check_specs:
-        if check_spec.asset_key == key and check_spec.key in selected:
-            # The check's output, once for the run; its results follow, one per hour.
-            yield dg.Output(None, output_name=check_spec.get_python_identifier())
-
-
-def _hour_checks(
-    context: dg.AssetExecutionContext,
-    spec: TableSpec,
-    check_specs: list[dg.AssetCheckSpec],
-    reports: list[HourReport],
-) -> Iterator:
-    key = dg.AssetKey(spec.name)
-    selected = context.selected_asset_check_keys
-    blocking = {check.name: check.blocking for check in check_specs if check.asset_key == key}
-    for report in reports:
-        for check in report.checks:
-            if dg.AssetCheckKey(key, check.check_name) not in selected:
-                continue
-            yield hour_check_evaluation(
-                context,
-                check,
-                spec=spec,
-                hour_key=report.hour_key,
-                blocking=blocking[check.check_name],
-            )
-
-
-def hour_check_evaluation(
-    context: dg.AssetExecutionContext,
-    check: dg.AssetCheckResult,
-    *,
-    spec: TableSpec,
-    hour_key: str,
-    blocking: bool,
-) -> dg.AssetCheckEvaluation:
-    """`check` as the result of hour `hour_key`, for a run that materialized a range of hours.
-
-    It names the hour's materialization it judged (the one this run just recorded), so Dagster
-    counts it as current: the UI shows it under that hour, and the downstream assets'
-    `all_deps_blocking_checks_passed` sees it.
-    """
-    asset_key = dg.AssetKey(spec.name)
-    records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[hour_key]), limit=1
-    ).records
-    target = None
-    if records:
-        target = AssetCheckEvaluationTargetMaterializationData(
-            storage_id=records[0].storage_id,
-            run_id=records[0].run_id,
-            timestamp=records[0].timestamp,
-        )
-    return dg.AssetCheckEvaluation(
-        asset_key=asset_key,
-        check_name=check.check_name,
-        passed=check.passed,
-        metadata=check.metadata,
-        target_materialization_data=target,
-        severity=check.severity,
-        description=check.description,
-        blocking=blocking,
-        partition=hour_key,
-    )
-
-
-def _for_asset(check: dg.AssetCheckResult, key: dg.AssetKey) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        asset_key=key,
-        check_name=check.check_name,
-        passed=check.passed,
-        severity=check.severity,
-        description=check.description,
-        metadata=check.metadata,
-    )
-
-
 def hour_failure(message: str, done: list[str]) -> dg.Failure:
     """The failure of an hour that retrying can't fix; `done`: the run's earlier hours."""
     written = ""
@@ -248,21 +88,6 @@ def hour_failure(message: str, done: list[str]) -> dg.Failure:
             "committed to Delta; running them again finds their changes already applied."
         )
     return dg.Failure(description=f"{message}{written}", allow_retries=False)
-
-
-def hour_summary(spec: TableSpec, result: HourResult) -> str:
-    """The log line of one materialized hour."""
-    counts = result.counts
-    return (
-        f"{spec.name} {result.hour_key}: consumed {counts.consumed}, applied "
-        f"{counts.applied}, superseded {counts.superseded}, stale {counts.stale}, "
-        f"tombstones {counts.tombstones}, errors {counts.errors}; "
-        f"Delta version {result.delta_version}"
-    )
-
-
-def partial_warning(spec: TableSpec, result: HourResult) -> str:
-    return f"{spec.name} {result.hour_key} was forced while open: the result is partial."
 
 
 @dataclass(frozen=True)

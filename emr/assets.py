@@ -37,15 +37,13 @@ from pydantic import Field
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import (
     NOT_RETRIED,
-    HourReport,
     HourRunConfig,
     MirrorRunner,
     MirrorsRun,
     build_mirror_assets,
     hour_failure,
-    report_done_hours,
-    report_hours,
 )
+from cdc_assets.reporting import HourReport, report_done_hours, report_hours
 from checks.table_checks import MIRROR_CHECKS
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
@@ -441,6 +439,37 @@ def _run_job(
     *,
     done: list[HourReport],
 ) -> HourReport:
+    """One table-hour as the partition job; its report is what the job sent through Pipes."""
+    invocation = _start_job(context, spec, hour_key, config, done=done)
+    results = invocation.get_results(implicit_materializations=False)
+    materializations = [r for r in results if isinstance(r, dg.MaterializeResult)]
+    reported = {r.check_name: r for r in results if isinstance(r, dg.AssetCheckResult)}
+    missing = [s.name for s in check_specs if s.name not in reported]
+    if len(materializations) != 1 or missing:
+        raise dg.Failure(
+            description=(
+                f"the partition job of {spec.name} {hour_key} ended without reporting "
+                + ("its materialization" if len(materializations) != 1 else f"checks {missing}")
+                + " through Pipes. It may have committed the hour to Delta (a rerun finds its "
+                "changes applied). Check the message transport: the client's message reader "
+                "and the job's message writer (docs/emr.md)."
+            ),
+            allow_retries=False,
+        )
+    checks = _check_results(invocation, reported, check_specs)
+    return HourReport(hour_key, materializations[0].metadata or {}, checks)
+
+
+def _start_job(
+    context: dg.AssetExecutionContext,
+    spec: TableSpec,
+    hour_key: str,
+    config: HourRunConfig,
+    *,
+    done: list[HourReport],
+):
+    """Runs the job through `pipes_client` with the hour's extras (no secret among them); a
+    failure the job reported is raised with its message, not retried when retrying can't help."""
     launch: PipesLaunch = context.resources.pipes_launch
     kafka: KafkaResource = context.resources.kafka
     lake: LakeResource = context.resources.lake
@@ -459,7 +488,7 @@ def _run_job(
             warnings.filterwarnings(
                 "ignore", category=dg.PreviewWarning, message=".*expected_writer_count"
             )
-            invocation = context.resources.pipes_client.run(
+            return context.resources.pipes_client.run(
                 context=context, extras=extras, **launch.run_kwargs(spec=spec, hour_key=hour_key)
             )
     except Exception as exc:
@@ -471,26 +500,16 @@ def _run_job(
             raise hour_failure(message, [r.hour_key for r in done]) from exc
         raise dg.Failure(description=message) from exc
 
-    results = invocation.get_results(implicit_materializations=False)
-    materializations = [r for r in results if isinstance(r, dg.MaterializeResult)]
-    reported = {r.check_name: r for r in results if isinstance(r, dg.AssetCheckResult)}
-    missing = [s.name for s in check_specs if s.name not in reported]
-    if len(materializations) != 1 or missing:
-        raise dg.Failure(
-            description=(
-                f"the partition job of {spec.name} {hour_key} ended without reporting "
-                + ("its materialization" if len(materializations) != 1 else f"checks {missing}")
-                + " through Pipes. It may have committed the hour to Delta (a rerun finds its "
-                "changes applied). Check the message transport: the client's message reader "
-                "and the job's message writer (docs/emr.md)."
-            ),
-            allow_retries=False,
-        )
+
+def _check_results(
+    invocation, reported: Mapping[str, dg.AssetCheckResult], check_specs: list[dg.AssetCheckSpec]
+) -> list[dg.AssetCheckResult]:
+    """The job's check results with their descriptions (sent in a custom message)."""
     descriptions: dict[str, str | None] = {}
     for message in invocation.get_custom_messages():
         if isinstance(message, dict):
             descriptions |= message.get(CHECK_DESCRIPTIONS, {})
-    checks = [
+    return [
         dg.AssetCheckResult(
             check_name=name,
             passed=reported[name].passed,
@@ -503,7 +522,6 @@ def _run_job(
         )
         for name in (s.name for s in check_specs)
     ]
-    return HourReport(hour_key, materializations[0].metadata or {}, checks)
 
 
 def _job_error(context: dg.AssetExecutionContext, *, since: float):

@@ -57,8 +57,8 @@ from pyspark import SparkConf  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from cdc_assets.config import TableSpec  # noqa: E402
-from cdc_assets.factory import hour_summary, partial_warning, result_metadata  # noqa: E402
 from cdc_assets.hour_run import run_hour  # noqa: E402
+from cdc_assets.reporting import hour_summary, partial_warning, result_metadata  # noqa: E402
 from checks.table_checks import MIRROR_CHECKS  # noqa: E402
 from emr.assets import (  # noqa: E402
     CHECK_DESCRIPTIONS,

@@ -58,7 +58,7 @@ def _pipes_resources(kafka, lake: LakeResource, tmp_path) -> dict:
 
 
 FAILURE = dg.DagsterEventType.STEP_FAILURE
-# The keys of the in-process asset's materialization metadata (cdc_assets.factory.result_metadata)
+# The keys of the in-process asset's materialization metadata (cdc_assets.reporting.result_metadata)
 # for an hour with source timestamps and no lost offsets.
 IN_PROCESS_METADATA = {
     "kafka_topic",
