@@ -214,3 +214,36 @@ def test_the_cycle_rule_can_fail(tmp_path: Path):
     (fake / "cdc_assets" / "batch_decode.py").write_text("from cdc_assets import decode\n")
     (fake / "cdc_assets" / "tally.py").write_text("def f():\n    from cdc_assets import decode\n")
     assert _import_cycles(fake) == [["cdc_assets.batch_decode", "cdc_assets.decode"]]
+
+
+PRODUCT = ("cdc_assets", "checks", "sensors", "resources", "shop_analytics", "emr", "code_location")
+
+
+def _private_imports(root: Path) -> list[str]:
+    """`from <product module> import _name` in another module of the product packages (ruff's
+    SLF001 catches `module._name`, not this)."""
+    found = []
+    for package in PRODUCT:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                    continue
+                if node.module.split(".")[0] not in PRODUCT:
+                    continue
+                found += [
+                    f"{path.relative_to(root)}:{node.lineno} imports {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    assert _private_imports(REPO) == []
+
+
+def test_the_private_import_rule_can_fail(tmp_path: Path):
+    for package in PRODUCT:
+        (tmp_path / package).mkdir()
+    (tmp_path / "checks" / "a.py").write_text("from cdc_assets.decoding.fast import _Group\n")
+    assert _private_imports(tmp_path) == ["checks/a.py:1 imports cdc_assets.decoding.fast._Group"]
