@@ -1,30 +1,20 @@
 """Sensitive columns: hashed with a secret key or dropped, right after decoding.
 
-The rules, stated once:
+`mask_changes` applies a table's `sensitive` setting (`hash` or `drop`) to the decoded changes
+before the audit, the newest-per-key step and the MERGE, so a raw value never reaches the
+mirror, its change data feed, its Delta statistics, the checks' results, metadata or logs. In
+the same step it seals a bad record's raw bytes for the error table (`cdc_assets.sealing`; the
+mirror never selects them). `stored_spec` is the table as the mirror stores it;
+`check_stored_mirror` refuses a mirror that may already hold a sensitive column raw.
 
-- A table marks columns in `sensitive`: `hash` or `drop`. Masking runs on the decoded changes
-  before the audit, the newest-per-key step and the MERGE, so a raw value never reaches the
-  mirror, its change data feed, its Delta statistics, the expectations' results, metadata or
-  logs.
-- `hash` stores the lowercase hex HMAC-SHA256 of the value's canonical string form, keyed by
-  the `masking` resource's key (`CDC_MASKING_KEY`). The form is the value as Spark casts it to
-  a string (strings as they are, integers as digits, decimals at the declared scale,
-  `true`/`false`, dates as `yyyy-MM-dd`), except timestamps, which are ISO-8601 in UTC with
-  microseconds (`2026-11-03T09:00:00.000000Z`). Null stays null and equal values hash equally,
-  so a hashed column still joins, groups and counts distinct values. It is stored as a string
-  whose field metadata records the masking, which lets a later run verify the column never held
-  raw values.
-- `drop` removes the column before anything stores it.
+Before changing the code:
+
+- A hash is the HMAC-SHA256 of the value's canonical string form (`canonical_string`): change
+  the form and new hashes no longer match the stored ones.
 - The HMAC runs in a pandas UDF whose closure holds the key: the key is never a literal in a
   Spark plan (plans are logged and shown in the Spark UI), never in metadata or logs.
-- A bad record's raw key and value bytes, kept for the error table (I7), are sealed in the same
-  step with a key derived from the same secret (`cdc_assets.sealing`), so they hold no raw
-  sensitive value either; the mirror never selects them. Every table with a `sensitive` column
-  needs the key, a table that only drops too.
-- A column that is not declared is not stored on a table with `sensitive` columns, whatever
-  `new_columns` says: nobody has yet said whether it is sensitive, so it waits, sealed in the
-  error table's bytes of any bad record, until it is declared under `columns` (marked or not).
-  The schema_drift check names it (`withheld_columns`).
+
+The rules (canonical forms, the key, undeclared columns): README, 'Sensitive columns'.
 """
 
 from __future__ import annotations

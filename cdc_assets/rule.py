@@ -1,26 +1,24 @@
 """The CDC rule, stated once, and the code that applies it to a mirror.
 
-What a change is (an insert, update, snapshot read, delete or truncate, and which records are
-errors) is the decoder's (`cdc_assets.decoding`). What the mirror does with the changes is this:
+What a change is (an insert, update, snapshot read, delete or truncate, or an error) is the
+decoder's (`cdc_assets.decoding`). What the mirror does with the changes is this:
 
 - Order. Changes of one key are ordered by the table's `sequence` (default `source.lsn`; MySQL:
   the binlog file's number, position and row), then Kafka partition and offset: together
   `_cdc_sequence`. Kafka offsets alone can't order them: a topic's partition count may change.
 - Newest per key. An hour's changes of one key reduce to its newest (`latest_per_key`).
-- Newer wins. A change is applied only when its key has no row yet, or its sequence is greater
-  than the stored row's (`applies`). So materializing any set of hours, in any order, any number
-  of times, ends in the table that applying the whole log in order gives (I3).
-- Deletes. `delete_mode: soft` (the default) keeps the key as a row with `_cdc_deleted = true`,
-  the delete's sequence and its before-image, so an older change arriving later is stale against
-  it and can't bring the row back; a delete of a key the mirror lacks is stored the same way.
-  `delete_mode: hard` removes the row; a later, older change of the key would then insert it
-  again, so hard deletes converge only when hours run in order.
-- Truncates (`op` `t`). With `on_truncate: apply`, every row whose sequence is older than the
-  truncate and that no change of the hour replaces is deleted as `delete_mode` says, stamped with
-  the truncate's sequence; changes older than a truncate that arrive later stay out
-  (`cdc_assets.hour_run`). With `on_truncate: fail` (the default) the hour stops before writing.
-- TOASTed values of `toasted_columns` follow their own rule (`cdc_assets.toast`): a change that
-  leaves one out keeps the newest value any change of the row carried.
+- Newer wins. A change applies only when its key has no row yet or its sequence is greater than
+  the stored row's (`applies`): any set of hours, in any order, any number of times, ends in the
+  table that applying the whole log in order gives (I3).
+- Deletes. `delete_mode: soft` (default) keeps the key as a row with `_cdc_deleted = true`, the
+  delete's sequence and its before-image, so an older change arriving later is stale against
+  it; a delete of a key the mirror lacks is stored the same way. `delete_mode: hard` removes the
+  row, so a later, older change inserts it again: hard deletes converge only in order.
+- Truncates (`op` `t`). `on_truncate: fail` (default) stops the hour before writing. With `apply`,
+  every row older than the truncate that no change of the hour replaces is deleted as
+  `delete_mode` says, stamped with the truncate's sequence; older changes arriving later stay out
+  (`cdc_assets.hour_run`).
+- TOASTed values of `toasted_columns` follow their own rule (`cdc_assets.toast`).
 - Readers see the source table as the live rows: `WHERE NOT _cdc_deleted`.
 """
 

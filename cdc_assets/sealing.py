@@ -1,26 +1,21 @@
 """The error table of a table with sensitive columns stores its raw bytes sealed, not in clear.
 
-The rules, stated once:
+A bad record keeps its raw Kafka key and value bytes in `<table>__errors` (I7); on a table with
+`sensitive` columns they hold raw sensitive values, so `seal_raw_bytes` seals them right after
+decoding, in the masking step (`cdc_assets.masking.mask_changes`), before the hard expectations,
+the error table or anything else reads them. Whoever holds the masking key opens them again:
+`unseal`, `unsealed_errors`, and `python -m cdc_assets.error_replay` after a fix.
 
-- A bad record keeps its raw Kafka key and value bytes in `<table>__errors` (I7: bad input loses
-  nothing). When the table has `sensitive` columns those bytes hold raw sensitive values, so
-  they are sealed right after decoding, in the same step that hashes and drops the columns
-  (`cdc_assets.masking.mask_changes`), before the hard expectations, the error table or anything
-  else reads them. The table's topic, partition, offset, reason and hour stay readable.
-- Sealing is AES-256-SIV (RFC 5297, deterministic authenticated encryption) under a key derived
-  from the masking key (`CDC_MASKING_KEY`) with HKDF-SHA256, so one secret serves the hashes and
-  the seal, and the two keys differ. The associated data binds each sealed value to its Kafka
-  coordinates and its field (`key` or `value`): a sealed value copied to another row or field
-  doesn't open. Deterministic, so the same record seals to the same bytes when Spark computes a
-  frame again, and nonce reuse can't leak anything (a topic deleted and created again reuses
-  coordinates).
-- The error table's `key` and `value` columns carry `cdc.masking: aes-256-siv` in their Delta
-  field metadata. A table's error table is sealed or raw for good: a run refuses to add sealed
-  rows to a raw error table or raw rows to a sealed one (`check_error_table`).
-- Whoever holds the masking key opens the rows again: `unseal` for one value, `unsealed_errors`
-  for a frame of the table's error rows, and `python -m cdc_assets.error_replay` to produce
-  them back to the topic after a fix. Rotating the key leaves rows sealed under the old one:
-  replay them with the old key first.
+Before changing the code:
+
+- AES-256-SIV under a key derived from the masking key with HKDF-SHA256: one secret serves the
+  hashes and the seal, and the two keys differ. The associated data binds a sealed value to its
+  Kafka coordinates and field (`key` or `value`): copied to another row or field, it doesn't open.
+- Deterministic on purpose: a frame Spark computes again seals to the same bytes, and nonce
+  reuse can't leak anything (a topic deleted and created again reuses coordinates).
+- An error table is sealed or raw for good (`check_error_table`).
+
+The scheme, the replay and key rotation: README, 'Sensitive columns'.
 """
 
 from __future__ import annotations

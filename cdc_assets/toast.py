@@ -7,19 +7,14 @@ each column C listed under `toasted_columns`:
 - C holds the value of the newest change of the row that carried one (`_cdc_seq__C` is that
   change's sequence), whichever order the hours run in: a change stale for the row still fills C
   when its value is newer than the stored one.
-- A primary-key update moves the row: Debezium deletes the old key and creates the new one,
-  whose unchanged TOASTed values are placeholders; the create names the old key in its
-  `__debezium.oldkey` header. The new row records the move (`_cdc_moved_from`, `_cdc_moved_at`)
-  and takes C from the old key's row as it was before the move: the old key's newest value
-  older than the move (`resolve_moves`, after each MERGE, again whenever that value arrives
-  later). Values the key held before the move (an earlier life of it) are not its values after.
-- Where nothing tells C (the old key's value never reached the mirror, or the table's history
-  started after the value was written), C is null and `_cdc_unknown__C` is true: the row says
-  so, and the `toasted_values` check counts such live rows. Never a null that looks real.
+- A primary-key update moves the row (Debezium: a delete of the old key, a create of the new one
+  naming it in its `__debezium.oldkey` header). The new row records the move (`_cdc_moved_from`,
+  `_cdc_moved_at`) and takes C from the old key's newest value older than the move
+  (`resolve_moves`, after each MERGE, again whenever that value arrives later). Values the key
+  held before the move (an earlier life of it) are not its values after.
+- Where nothing tells C, C is null and `_cdc_unknown__C` is true: never a null that looks real.
 
-Avoid the gap at the source with `ALTER TABLE ... REPLICA IDENTITY FULL` (Debezium then has the
-old row, see docs/debezium.md). With `delete_mode: hard` the old key's row is gone once the move
-is applied, so a moved row's unchanged TOASTed values stay unknown (flagged).
+When that happens, and replica identity: docs/debezium.md, 'TOASTed values and replica identity'.
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """The pipeline's own invariants as asset checks, evaluated on every hour a run materializes.
 
-- complete_hour (I5): the hour was read after it closed. A run forced on an open hour
-  (`force_open_hour`) is partial; it fails this check (blocking by default), so nothing
-  downstream builds on it until the hour is run again once it has closed.
-- accounting (I2): every message consumed from the hour's slice is applied, superseded (an older
-  change of the same key in the slice), stale (not newer than the mirror's row), a tombstone
-  marker, or an error; no category is negative; and no more messages were read than the slice
-  holds. Fewer only where Kafka's own consumers, counting the slice apart from the reader, find
-  offsets without a committed record (transaction markers, aborted records, compaction): a
-  reader that got fewer records than Kafka holds committed fails. The figures
-  are counted apart (`HourCounts`): consumed by the reader, superseded on the batch, applied
-  and stale from the MERGE's operation metrics; so a record the decoder dropped, or a key the
-  newest-change-per-key step lost or doubled, breaks the identity.
-- continuity (I1): the hour starts, partition by partition, where the previous hour's recorded
-  run ended. A gap (offsets read by no hour) or an overlap (offsets read twice) names the
-  offsets. A partition the previous hour did not know must start at its log start.
-- changes_readable (I7): not every change of the hour went to the error table. An hour whose
-  every change is an error applied nothing: the table's config most likely doesn't match what
-  the connector sends (the top reason says how). Blocking by default, so the run fails loudly.
-- error_rate (I7): the share of the hour's changes that went to the error table, at most the
-  table's `max_share` (1 %). ERROR and blocking by default: an hour over it fails its run.
-- freshness: the newest source change in the mirror trails the hour's end (or now, for the
-  current hour) by at most the table's allowed lag.
-- schema_drift: the columns the source sends in `after` against the declared ones: a column
-  that appeared, vanished, or arrives in an encoding its declared type can't hold (checked
-  against the connector's own Connect schema when the records carry one, else their JSON).
-  A table with sensitive columns doesn't store an undeclared one: `withheld_columns` names it.
-- toasted_values (tables with toasted_columns): no live row holds an unknown unchanged TOASTed
-  value (`cdc_assets/toast.py`); such rows are flagged `_cdc_unknown__<column>`.
-- retention_risk (I6): the hour's start offsets are still in Kafka, and how long they stay
-  there; an hour whose offsets are gone can no longer be replayed. A separate, partitioned
-  check that reads the hour's recorded slice from the Delta log, so it can be re-run any time
-  to see whether an old hour is still replayable.
+`complete_hour` (I5), `accounting` (I2), `continuity` (I1), `changes_readable` and
+`error_rate` (I7), `freshness`, `schema_drift`, `toasted_values` (tables with
+`toasted_columns`), each from the hour's result (`<check>_result`); and `retention_risk` (I6),
+a separate, partitioned check that reads the hour's recorded slice from the Delta log, so it
+can be re-run any time. Severity, blocking and thresholds come from the table's `checks:`
+settings.
 
-Severity, blocking and thresholds come from the table's `checks:` settings.
+The `accounting` figures are counted apart (`HourCounts`): consumed by the reader, superseded
+on the batch, applied and stale from the MERGE's operation metrics; so a record the decoder
+dropped, or a key the newest-change-per-key step lost or doubled, breaks the identity.
+
+What fails each check, and its defaults: docs/checks.md, 'The checks every table has'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """The mirror assets whose hours run outside Dagster: the partition job, through Dagster Pipes.
 
 `build_pipes_mirror_assets(specs)` builds the same assets as
-`cdc_assets.factory.build_mirror_assets` (one builder: keys, hourly partitions, the pool, check
-specs, retries, backfill policy) with another runner (`PIPES`): for each hour of each selected
-table it starts the partition job, `emr/pipes_job.py`, through the `pipes_client` resource,
-and records what the job reported through Pipes: the hour's materialization metadata and check
-results, exactly as the in-process run records its own.
+`cdc_assets.factory.build_mirror_assets` (one builder) with another runner (`PIPES`): for each
+hour of each selected table it starts the partition job, `emr/pipes_job.py`, through the
+`pipes_client` resource, as `pipes_launch` says (`SparkSubmitLaunch`, `EMRServerlessLaunch` or
+`EMRClusterLaunch`), and records what the job reported through Pipes: the hour's
+materialization metadata and check results, exactly as the in-process run records its own. One
+job per hour, each its own Pipes session: Pipes reports one materialization per session.
 
-Resources:
-
-- `pipes_client`: a Dagster Pipes client. `PipesSubprocessClient` (this machine),
-  `PipesEMRServerlessClient` or `PipesEMRClient` (dagster-aws).
-- `pipes_launch`: how that client starts the job, the arguments of its `run` besides `context`
-  and `extras`: `SparkSubmitLaunch`, `EMRServerlessLaunch` or `EMRClusterLaunch` (one per client).
-- `kafka`, `lake`: their non-secret settings reach the job in the Pipes extras. Secrets never
-  do (the extras travel in plain text, in an environment variable or a job's configuration): the
-  job reads them from its own environment (`EMRServerlessLaunch.secret_env` puts them there).
-
-A run of a range of hours starts one job per hour, one after the other, each its own Pipes
-session: Pipes reports one materialization per session, and each hour keeps its own.
+Secrets never go in the extras (they travel in plain text); the job reads them from its own
+environment. The clients, the transports and one run: docs/emr.md, 'The pieces'.
 """
 
 import copy

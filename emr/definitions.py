@@ -1,33 +1,17 @@
 """Production on AWS: each hour of each mirror runs as a job on EMR Serverless, through Pipes.
 
 The code location for a Dagster deployment whose Spark work runs on EMR Serverless instead of
-in the run worker (docs/emr.md says how to package, upload and grant it). Load it in place of
-`code_location.definitions`:
+in the run worker. Load it in place of `code_location.definitions`:
 
     dagster code-server start -m emr.definitions
     # or in workspace.yaml: - python_module: emr.definitions
 
-It holds the mirror assets, built by `emr.assets.build_pipes_mirror_assets` (the same assets
-as in-process, by the same builder: keys, hourly partitions, the pool, checks), and their offset
-sensors. Not here: the downstream assets (order_facts, daily_sales) and the standalone
-retention_risk check, which run Spark in the run worker; keep them in an in-process code
-location if you need them.
+It holds the mirror assets (`emr.assets.build_pipes_mirror_assets`) and their offset sensors,
+not the downstream assets nor the standalone retention_risk check. Settings come from the
+environment when a run starts (dg.EnvVar), never at import. `emr_on_ec2_resources()` is the
+same for EMR on EC2; swap it in `defs` to use it.
 
-Environment, read when a run starts (dg.EnvVar), never at import (`kafka` and `lake` are the
-in-process deployment's, resources/environment.py, which sees whether CDC_LAKE_SINGLE_WRITER
-and the AWS keys are set when the location loads):
-
-    CDC_EMR_SERVERLESS_APPLICATION_ID  the EMR Serverless application (type SPARK)
-    CDC_EMR_EXECUTION_ROLE_ARN         the job runtime role
-    CDC_EMR_ARTIFACTS                  s3://bucket/prefix with pipes_job.py,
-                                       cdc_lake_venv.tar.gz and jars/ (docs/emr.md)
-    CDC_KAFKA_BOOTSTRAP_SERVERS        as the in-process deployment (reach Kafka from the
-    CDC_LAKE_ROOT                      application's VPC); the lake an s3:// root
-    AWS_REGION (or a profile)          boto3's region and credentials for the EMR Serverless
-                                       and CloudWatch Logs APIs, as on any AWS client
-
-`emr_on_ec2_resources()` is the same for EMR on EC2 (`PipesEMRClient`, a transient cluster per
-hour); swap it in `defs` to use it.
+Packaging, IAM and the environment: docs/emr.md, 'EMR Serverless' and 'EMR on EC2'.
 """
 
 from __future__ import annotations

@@ -2,28 +2,15 @@
 
     spark-submit [--jars ...] emr/pipes_job.py
 
-Dagster starts it through a Pipes client (`emr/assets.py`: locally `PipesSubprocessClient`,
-on AWS `PipesEMRServerlessClient` or `PipesEMRClient`). It opens the Pipes context from the
-environment the client set, reads the table and the hour from the extras, runs the project's
-`run_hour` on the Spark session the cluster gives it, evaluates the hour's checks, and reports
-the materialization and the check results back: the same metadata and checks the in-process
-asset records. Any error is reported through Pipes (the `closed` message carries it) and exits
-the job non-zero.
+Dagster starts it through a Pipes client (`emr/assets.py`). It opens the Pipes context, reads
+the table and the hour from the extras, runs `run_hour` on the cluster's Spark session (set up
+by `SparkResource.session_conf`), evaluates the hour's checks and reports the materialization
+and the check results back: the same metadata and checks the in-process asset records. Any
+error is reported through Pipes and exits the job non-zero.
 
-Messages go where the client's reader reads: a file (the subprocess client), stdout (EMR
-Serverless: CloudWatch Logs) or S3 (EMR on EC2 with `PipesS3MessageReader`).
-
-The session is the cluster's with SparkResource's own settings (`SparkResource.session_conf`):
-those the results rest on always, the others where the cluster set none. Configuration, besides
-the extras (which never carry a secret), from the variables the in-process deployment reads
-(resources/environment.py names them):
-
-- `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT`: used when the extras don't name them.
-- `CDC_LAKE_SINGLE_WRITER`: `true` lets an S3 lake use Delta's single-driver log store
-  (resources/lake.py; docs/deploy.md, one writer per table).
-- `CDC_KAFKA_SASL_PASSWORD` (SASL only) and `CDC_MASKING_KEY` (tables with sensitive columns):
-  secrets, from the job's environment only (on EMR Serverless `EMRServerlessLaunch.secret_env`
-  puts them there from AWS Secrets Manager, see docs/emr.md).
+The extras never carry a secret: the Kafka password and the masking key come from the job's
+own environment. Its settings and message transports: docs/emr.md, 'How context and messages
+travel' and 'Environment and configuration'.
 """
 
 from __future__ import annotations

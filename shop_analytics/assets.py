@@ -1,26 +1,17 @@
 """The shop's analytics on top of the demo mirrors: `order_facts` (hourly) and `daily_sales`.
 
-`order_facts` holds one row per live order: the order, its customer's country and activity
-(never the e-mail or name), and the sums of its live items. It is built incrementally:
+`build_downstream_assets(specs)` builds both. `order_facts` holds one row per live order: the
+order, its customer's country and activity (never the e-mail or name), and the sums of its live
+items. Partition H reads the change data feed of exactly the mirror commits of H (found by the
+hour in their userMetadata, `commits.hour_history`), derives the affected orders, recomputes
+their rows from the mirrors' current live rows and MERGEs them by order_id.
 
-- Incremental by change feed. Every mirror run records its hour in the commit's userMetadata
-  (`commits.hour_history`), so the Delta versions that hour H's runs committed are known. Partition
-  H of order_facts reads Delta's change data feed of exactly those versions of the three mirrors,
-  nothing else (ledger commits of runs that changed nothing have an empty feed).
-- Recompute the affected keys. The changed keys give the affected orders: the orders that
-  changed, the orders of the items that changed, and the orders of the customers that changed
-  (looked up in the orders mirror). Their fact rows are recomputed from the mirrors' current live
-  rows (each mirror read at one version for the whole run) and MERGEd by order_id: a live order
-  is inserted or updated (only when a value differs, so a rerun commits nothing), and an order
-  that is no longer live loses its fact row.
-- Convergence. A fact row is a function of the mirrors' current state, never of the hour's
-  change alone, and every order is affected by the hour that created it and by each hour that
-  changed it, its items or its customer. So once the mirrors are complete, running the facts
-  hours in any order, any number of times, leaves exactly the plain recomputation from the
-  mirrors. `_facts_hour` says which partition last changed a row.
+A fact row is a function of the mirrors' current state, never of the hour's change alone: that
+is why the hours converge in any order, any number of times. `_facts_hour` says which partition
+last changed a row.
 
 `daily_sales` aggregates order_facts per UTC day of `ordered_at`, per country and status, and
-overwrites only its day of the Delta table. Both tables have the change data feed on.
+overwrites only its day. How both run, their metadata and limits: docs/downstream.md.
 """
 
 import functools
