@@ -1,56 +1,23 @@
 """Table maintenance: compact a mirror's small files (OPTIMIZE) and vacuum the files it dropped.
 
-Every hourly MERGE writes a few small files and, with deletion vectors on, marks rows of older
-files as deleted; nothing ever rewrites them, so a mirror grows by files every hour and the
-files its MERGEs replaced stay on storage for good. `<table>_maintenance` (one asset per table,
-group `cdc_maintenance`) fixes both, for the mirror and its error table when it exists:
+Every hourly MERGE writes a few small files and leaves the files it replaced on storage.
+`<table>_maintenance` (one asset per table, group `cdc_maintenance`) fixes both, for the mirror
+and for its error table when it exists:
 
-- **OPTIMIZE ... ZORDER BY (primary key)** rewrites the table into few files, each holding a
-  narrow range of keys, which is what lets a MERGE skip the files its keys can't be in
-  (`zorder: false`: plain compaction, which rewrites only small files and files with many
-  deleted rows). The error table is Z-ordered by its Kafka coordinates (partition, offset), the
-  key its MERGE matches on; its topic is one value per table. OPTIMIZE commits with
-  `dataChange = false`: no row changes, the change data feed gets nothing, readers and
-  `order_facts` see the same rows. Z-ordering in open-source Delta is not incremental: every
-  run rewrites the whole table, and the replaced files stay until VACUUM removes them a
-  retention later, so a large mirror pays a full rewrite per run and holds up to two copies of
-  its bytes (run it less often, or with `zorder: false`, on very large mirrors).
-- **VACUUM** then deletes the files that no version within the table's retention
-  (`delta.deletedFileRetentionDuration`) needs: data files that a MERGE, an OPTIMIZE or a delete
-  replaced longer ago than that, change-data files (`_change_data`) and deletion vectors as old.
-  The files today's OPTIMIZE replaced go one retention later. Each VACUUM is recorded in the
-  table's history (VACUUM START and VACUUM END commits, whose counts the metadata reports).
+- **OPTIMIZE ... ZORDER BY (primary key)** (the error table: its Kafka partition and offset, the
+  key its MERGE matches on), or plain compaction with `zorder: false`. It commits with
+  `dataChange = false`: readers, the change data feed and `order_facts` see the same rows.
+  Z-ordering rewrites the whole table every run: run it less often, or with `zorder: false`,
+  on very large mirrors.
+- **VACUUM** deletes the files no version within the table's
+  `delta.deletedFileRetentionDuration` needs, recorded as VACUUM START / END commits.
 
-Retention, time travel and the change feed. delta-spark 4.x reads no version older than the
-table's `delta.deletedFileRetentionDuration` (default `interval 1 week`): time travel and
-change-feed reads of an older commit fail with
-`DELTA_UNSUPPORTED_TIME_TRAVEL_BEYOND_DELETED_FILE_RETENTION_DURATION`, whether VACUUM ran or
-not. VACUUM makes that final: once the files are gone, raising the property again brings no old
-version back. Delta 4.x also vacuums by that property and ignores a longer RETAIN, so:
-
-- `retain_hours` below the table's retention fails the run before anything is touched, naming
-  the table, the setting and the fix (Delta's own safety check is never turned off here);
-- `retain_hours` above it vacuums at the table's retention, with a warning naming the setting to
-  raise, and the metadata reports the retention Delta applied (`retain_hours_effective`).
-
-`order_facts` hour H reads the change data feed of the mirror commits that hour H's runs made
-(`shop_analytics/assets.py`). A facts hour that runs, or runs again, more than the mirrors'
-retention after its mirror hour (the automation sensor was off for longer, a backfill of old
-facts hours) fails with Delta's error above and writes nothing; running the mirror hour again
-does not help (the facts hour still reads the old commits; the rerun's changes nothing). The orders
-those hours changed keep their older fact row until a later hour changes them again; nothing
-rebuilds order_facts from the mirrors' current rows. So keep the downstream within the
-retention, and before a planned pause longer than it raise the mirrors' retention
-(`ALTER TABLE delta.`<path>` SET TBLPROPERTIES ('delta.deletedFileRetentionDuration' =
-'interval 14 days')`) and run the maintenance with the same `retain_hours`.
-
-Runs: the asset is in the mirrors' pool (`cdc_mirrors`, limit 1), so it never runs beside a
-MERGE into the same table, and the single-writer rule on S3 still holds. The daily schedule
-`cdc_maintenance_daily` (03:00 UTC) runs every table's maintenance in one run, one Spark session,
-table after table. It is STOPPED by default: the offset sensors only add data and are on, but
-VACUUM removes history for good and Z-ordering rewrites whole tables, so a deployment turns it
-on once it has chosen its retention (the default keeps Delta's week) and its run time; turning it
-on by default would start both on every table the first night after an upgrade.
+delta-spark 4.x reads no version older than that retention and vacuums by it: `retain_hours`
+below it fails the run before anything is touched; above it, the run warns and reports the
+retention Delta applied. An `order_facts` hour run more than the retention after its mirror
+hour fails and can't be replayed. The asset runs in the mirrors' pool, never beside a MERGE
+into its table; the daily schedule is STOPPED by default, as VACUUM removes history for good.
+docs/deploy.md ("Table maintenance") has the details and the commands.
 """
 
 import math
@@ -278,6 +245,44 @@ class _Target:
     prefix: str
 
 
+def _targets(spec: TableSpec, lake: LakeResource) -> list[_Target]:
+    """The mirror, then its error table, each with its Z-order and metadata prefix."""
+    return [
+        _Target(spec.name, lake.table_path(spec.name), spec.primary_key, ""),
+        _Target(
+            spec.error_table_name,
+            lake.table_path(spec.error_table_name),
+            ERROR_TABLE_ZORDER,
+            "error_table_",
+        ),
+    ]
+
+
+def _check_retentions(
+    spark: SparkSession, targets: Sequence[_Target], retain_hours: int
+) -> dict[str, Fraction]:
+    """Each table's retention in hours, all checked before any table is touched: a setting
+    too short fails the run without retries (it changes nothing, and retrying can't fix it)."""
+    retention: dict[str, Fraction] = {}
+    try:
+        for target in targets:
+            retention[target.name] = check_retention(
+                spark, table=target.name, path=target.path, retain_hours=retain_hours
+            )
+    except RetentionTooShortError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    return retention
+
+
+def _longer_retain_warning(table: str, retention: Fraction, retain_hours: int) -> str:
+    """What to tell when `retain_hours` exceeds the table's retention, which Delta applies."""
+    return (
+        f"{table}: Delta vacuums by the table's {RETENTION_PROPERTY} ({float(retention):g} "
+        f"hours) and ignores retain_hours {retain_hours}; versions older than that can't be "
+        "read anyway. To keep more history, raise the table's setting."
+    )
+
+
 def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
     """`<table>_maintenance`: OPTIMIZE and VACUUM of `spec`'s mirror and error table."""
     keys = ", ".join(spec.primary_key)
@@ -304,15 +309,7 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
     ) -> dg.MaterializeResult:
         session = spark.session
         lake.connect(session)
-        targets = [
-            _Target(spec.name, lake.table_path(spec.name), spec.primary_key, ""),
-            _Target(
-                spec.error_table_name,
-                lake.table_path(spec.error_table_name),
-                ERROR_TABLE_ZORDER,
-                "error_table_",
-            ),
-        ]
+        targets = _targets(spec, lake)
         existing = [t for t in targets if DeltaTable.isDeltaTable(session, t.path)]
         metadata: dict[str, dg.MetadataValue] = {
             "table_exists": dg.MetadataValue.bool(targets[0] in existing),
@@ -320,23 +317,11 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
             "zorder": dg.MetadataValue.bool(config.zorder),
             "retain_hours": dg.MetadataValue.int(config.retain_hours),
         }
-        # Every table's retention is checked before any is touched: a wrong setting changes
-        # nothing, and retrying can't fix it.
-        retention: dict[str, Fraction] = {}
-        try:
-            for target in existing:
-                retention[target.name] = check_retention(
-                    session, table=target.name, path=target.path, retain_hours=config.retain_hours
-                )
-        except RetentionTooShortError as exc:
-            raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        retention = _check_retentions(session, existing, config.retain_hours)
         for target in existing:
             if config.retain_hours > retention[target.name]:
                 context.log.warning(
-                    f"{target.name}: Delta vacuums by the table's {RETENTION_PROPERTY} "
-                    f"({float(retention[target.name]):g} hours) and ignores retain_hours "
-                    f"{config.retain_hours}; versions older than that can't be read anyway. To "
-                    "keep more history, raise the table's setting."
+                    _longer_retain_warning(target.name, retention[target.name], config.retain_hours)
                 )
             outcome = maintain_table(
                 session,
