@@ -141,38 +141,44 @@ def build_order_facts(specs: dict[str, TableSpec]) -> dg.AssetsDefinition:
         """
         session = spark.session
         lake.connect(session)
-        paths = {name: lake.table_path(name) for name in UPSTREAM}
+        paths = {name: lake.table_path(name) for name in (*UPSTREAM, ORDER_FACTS)}
         # One snapshot of each mirror for the whole run: its live rows are read at this version.
-        logs = {name: hour_history(session, path) for name, path in paths.items()}
+        logs = {name: hour_history(session, paths[name]) for name in UPSTREAM}
         snapshots = {name: current for name, (current, _) in logs.items()}
-        facts_path = lake.table_path(ORDER_FACTS)
         for hour in context.partition_keys:  # a backfill's range arrives in time order
-            versions = {
-                name: sorted(c["version"] for c in history if c.get("hour") == hour)
-                for name, (_, history) in logs.items()
-            }
-            outcome = refresh_order_facts(
-                session,
-                specs,
-                paths,
-                facts_path,
-                hour=hour,
-                versions=versions,
-                snapshots=snapshots,
-            )
-            context.log.info(
-                f"{ORDER_FACTS} {hour}: read mirror versions {versions}; changed keys "
-                f"{outcome['changed_keys']}; recomputed {outcome['orders_recomputed']} orders, "
-                f"upserted {outcome['facts_upserted']}, deleted {outcome['facts_deleted']}; "
-                f"Delta version {outcome['delta_version']}"
-            )
-            context.add_asset_metadata(
-                facts_metadata(outcome, versions=versions, snapshots=snapshots, path=facts_path),
-                partition_key=hour,
-            )
+            _refresh_hour(context, session, specs, paths, logs, snapshots, hour)
         return dg.MaterializeResult()
 
     return order_facts
+
+
+def _refresh_hour(context, session, specs, paths, logs, snapshots, hour: str) -> None:
+    """One hour of `order_facts`: the orders that hour's mirror commits touched, recomputed
+    and MERGEd; logged, and its metadata added under the hour's partition."""
+    facts_path = paths[ORDER_FACTS]
+    versions = {
+        name: sorted(c["version"] for c in history if c.get("hour") == hour)
+        for name, (_, history) in logs.items()
+    }
+    outcome = refresh_order_facts(
+        session,
+        specs,
+        {name: paths[name] for name in UPSTREAM},
+        facts_path,
+        hour=hour,
+        versions=versions,
+        snapshots=snapshots,
+    )
+    context.log.info(
+        f"{ORDER_FACTS} {hour}: read mirror versions {versions}; changed keys "
+        f"{outcome['changed_keys']}; recomputed {outcome['orders_recomputed']} orders, "
+        f"upserted {outcome['facts_upserted']}, deleted {outcome['facts_deleted']}; "
+        f"Delta version {outcome['delta_version']}"
+    )
+    context.add_asset_metadata(
+        facts_metadata(outcome, versions=versions, snapshots=snapshots, path=facts_path),
+        partition_key=hour,
+    )
 
 
 def facts_metadata(
