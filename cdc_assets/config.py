@@ -724,7 +724,8 @@ class TablesFile:
 
 def parse_tables_file(raw: dict, *, source: str = "tables config") -> TablesFile:
     """Validates a whole tables file (its settings and every table entry) and raises one
-    `TableConfigError` listing all problems; an unknown top-level setting is one."""
+    `TableConfigError` listing all problems; an unknown top-level setting is one (keys starting
+    `x-` are the file's own, e.g. a block of YAML anchors, and are passed over)."""
     problems: list[str] = []
     switch = False
     if isinstance(raw, dict):
@@ -732,6 +733,7 @@ def parse_tables_file(raw: dict, *, source: str = "tables config") -> TablesFile
             f"{source}: unknown top-level setting '{key}'; a tables file holds "
             f"{' and '.join(repr(s) for s in TABLES_FILE_SETTINGS)} (check its spelling)"
             for key in sorted(set(raw) - set(TABLES_FILE_SETTINGS), key=str)
+            if not str(key).startswith("x-")
         ]
         switch = raw.get(SHOP_ANALYTICS, False)
         if not isinstance(switch, bool):

@@ -230,7 +230,7 @@ class RecordDecoder:
         partition: int,
         offset: int,
     ) -> None:
-        """Adds one record to its batch's tally (see `cdc_assets.tally`)."""
+        """Adds one record to its batch's tally (see `tally.py`)."""
         if value is None:
             tally.tombstones += 1
             return
