@@ -220,6 +220,8 @@ def test_the_shipped_file_switches_the_shop_analytics_on_and_others_are_off_unle
     assert load_tables_file().shop_analytics is True
     assert parse_tables_file({"tables": [_entry()]}).shop_analytics is False
     assert parse_tables_file({"tables": [_entry()], "shop_analytics": True}).shop_analytics
+    # A block of YAML anchors under an x- key is the file's own, not a setting.
+    assert parse_tables_file({"tables": [_entry()], "x-defaults": {"group": "g"}}).tables
 
 
 @pytest.mark.parametrize(
