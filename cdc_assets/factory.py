@@ -110,6 +110,8 @@ class MirrorRunner:
     run: Callable[[dg.AssetExecutionContext, MirrorsRun], Iterator]
     resource_keys: frozenset[str]
     note: str = ""
+    # The run reads the masking key from the `masking` resource (a Pipes job reads its own).
+    masking_resource: bool = True
 
 
 def build_mirror_assets(
@@ -182,7 +184,8 @@ def _mirrors_asset(
     }
     by_key = {dg.AssetKey(spec.name): spec for spec in specs}
     # Every table with sensitive columns needs the key: hashes, and its error table's seal.
-    masking = {"masking"} if any(spec.sensitive for spec in specs) else set()
+    sensitive = runner.masking_resource and any(spec.sensitive for spec in specs)
+    masking = {"masking"} if sensitive else set()
 
     def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
         selected = [spec for key, spec in by_key.items() if key in context.selected_asset_keys]

@@ -392,8 +392,11 @@ class EMRClusterLaunch(EMRArtifacts):
 
 
 def _run_through_pipes(context: dg.AssetExecutionContext, run: MirrorsRun) -> Iterator:
-    """Each selected table's hours, one partition job after the other; a job that fails ends
-    the run (the hours and tables before it stay materialized, and a retry skips them)."""
+    """Each selected table's hours, one partition job after the other. A table whose job fails
+    keeps the hours before it and the run goes on with the next table; the run then fails,
+    naming each failed table (retried when retrying can help one of them; a retry skips what
+    is done), as the in-process run does."""
+    failures: list[tuple[str, Exception]] = []
     for spec, hour_keys in run.work:
         check_specs = run.check_specs[spec.name]
         reports: list[HourReport] = []
@@ -402,16 +405,34 @@ def _run_through_pipes(context: dg.AssetExecutionContext, run: MirrorsRun) -> It
                 reports.append(
                     _run_job(context, spec, hour_key, run.config, check_specs, done=reports)
                 )
-        except Exception:
+        except Exception as exc:
+            context.log.error(f"{spec.name}: {exc}")
+            failures.append((spec.name, exc))
             yield from report_done_hours(context, spec, check_specs, reports)
-            raise
+            continue
         yield from report_hours(context, spec, check_specs, reports)
+    if failures:
+        raise _tables_failed(failures, total=len(run.work))
+
+
+def _tables_failed(failures: list[tuple[str, Exception]], *, total: int) -> dg.Failure:
+    retriable = any(getattr(exc, "allow_retries", True) for _, exc in failures)
+    lines = [
+        f"{name}: {exc.description if isinstance(exc, dg.Failure) else exc!r}"
+        for name, exc in failures
+    ]
+    return dg.Failure(
+        description=f"{len(failures)} of {total} tables failed; the others were materialized.\n"
+        + "\n".join(lines),
+        allow_retries=retriable,
+    )
 
 
 PIPES = MirrorRunner(
     run=_run_through_pipes,
     resource_keys=frozenset({"pipes_client", "pipes_launch", "kafka", "lake"}),
     note=" Each hour runs as the partition job (emr/pipes_job.py) through Dagster Pipes.",
+    masking_resource=False,
 )
 
 

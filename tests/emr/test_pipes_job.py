@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from cdc_assets.config import TableSpec
 from checks.table_checks import run_check_names
 from emr.assets import EMRServerlessLaunch, SparkSubmitLaunch, build_pipes_mirror_assets
 from emr.pipes_job import session_conf
@@ -102,20 +103,34 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
     other_topic = create_topic("pipes-accounts-b", partitions=1)
     other = spec.model_copy(update={"name": "accounts_b", "topic": other_topic})
     table.send_all(broker, other_topic, CHANGES[:3])
+    # And first in the run, a table whose job fails: its sequence names a field the records
+    # lack (not retried). The run goes on with the others, then fails naming it.
+    broken = TableSpec.model_validate(
+        {
+            **spec.model_dump(),
+            "name": "accounts_broken",
+            "topic": other_topic,
+            "sequence": [{"field": "source.pos"}],
+        }
+    )
     lake = LakeResource(root=str(tmp_path / "lake"))
     path = lake.table_path(spec.name)
 
     instance = dg.DagsterInstance.ephemeral()
     through_pipes = dg.materialize(
-        build_pipes_mirror_assets([spec, other]),
+        build_pipes_mirror_assets([broken, spec, other]),
         partition_key=HOUR,
         instance=instance,
         resources=_pipes_resources(kafka, lake, tmp_path),
         raise_on_error=False,
     )
-    assert through_pipes.success, [
-        e.step_failure_data.error.message for e in _events(through_pipes, FAILURE)
-    ]
+    (failure,) = _events(through_pipes, FAILURE)
+    message = failure.step_failure_data.error.message
+    assert "1 of 3 tables failed" in message and "accounts_broken" in message, message
+    assert "'sequence' setting" in message, message
+    assert not _events(through_pipes, dg.DagsterEventType.STEP_UP_FOR_RETRY)
+    materialized = {e.asset_key for e in through_pipes.get_asset_materialization_events()}
+    assert materialized == {dg.AssetKey(spec.name), dg.AssetKey(other.name)}
 
     # The mirror equals the plain-Python replay of what Kafka committed.
     expected = table.reference(broker, spec, upto_hour=0).expected
@@ -273,3 +288,16 @@ def test_the_jobs_session_has_every_setting_sparkresource_gives_its_own(tmp_path
         **REQUIRED_SESSION_CONF,
         "spark.sql.extensions": "x.Ext,io.delta.sql.DeltaSparkSessionExtension",
     }
+
+
+def test_the_emr_location_loads_with_a_sensitive_table(monkeypatch):
+    """A Pipes job reads the masking key from its own environment: the location asks no
+    `masking` resource of Dagster for a table with sensitive columns."""
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "CDC_EMR")):
+            monkeypatch.delenv(name)
+    from emr import definitions as emr
+
+    sensitive = table.spec("shop.public.accounts", sensitive={"name": "hash"})
+    defs = emr.build_definitions([sensitive], emr.emr_serverless_resources())
+    dg.Definitions.validate_loadable(defs)
