@@ -104,14 +104,13 @@ class MirrorsRun:
 @dataclass(frozen=True)
 class MirrorRunner:
     """How a mirrors asset's run materializes its tables' hours: `run` yields the run's events
-    (`report_hours`); `resource_keys` are the resources it uses; `note` ends the assets'
-    descriptions. In this process (`IN_PROCESS`) or as Pipes jobs (`emr.assets.PIPES`)."""
+    (`report_hours`); `resources(specs)` are the resources it uses for those tables; `note`
+    ends the assets' descriptions. In this process (`IN_PROCESS`) or as Pipes jobs
+    (`emr.assets.PIPES`)."""
 
     run: Callable[[dg.AssetExecutionContext, MirrorsRun], Iterator]
-    resource_keys: frozenset[str]
+    resources: Callable[[Sequence[TableSpec]], set[str]]
     note: str = ""
-    # The run reads the masking key from the `masking` resource (a Pipes job reads its own).
-    masking_resource: bool = True
 
 
 def build_mirror_assets(
@@ -145,11 +144,9 @@ def _op_name(group: list[TableSpec], groups: int) -> str:
     return f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if groups > 1 else "mirrors"
 
 
-def build_table_asset(
-    *, spec: TableSpec, checks: MirrorChecks, runner: MirrorRunner | None = None
-) -> dg.AssetsDefinition:
+def build_table_asset(*, spec: TableSpec, checks: MirrorChecks) -> dg.AssetsDefinition:
     """The hourly Delta mirror of `spec.topic` alone (a mirrors multi-asset of one table)."""
-    (asset,) = build_mirror_assets([spec], checks=checks, runner=runner)
+    (asset,) = build_mirror_assets([spec], checks=checks)
     return asset
 
 
@@ -183,9 +180,6 @@ def _mirrors_asset(
         spec.name: checks.check_specs(spec, partitions_def=partitions_def) for spec in specs
     }
     by_key = {dg.AssetKey(spec.name): spec for spec in specs}
-    # Every table with sensitive columns needs the key: hashes, and its error table's seal.
-    sensitive = runner.masking_resource and any(spec.sensitive for spec in specs)
-    masking = {"masking"} if sensitive else set()
 
     def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
         selected = [spec for key, spec in by_key.items() if key in context.selected_asset_keys]
@@ -218,7 +212,7 @@ def _mirrors_asset(
             retry_policy=dg.RetryPolicy(
                 max_retries=2, delay=20, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
             ),
-            required_resource_keys=set(runner.resource_keys) | masking,
+            required_resource_keys=runner.resources(specs),
         )(_mirrors)
 
 
@@ -257,10 +251,28 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
             failed.append(outcome)
             yield from report_done_hours(context, spec, check_specs, reports)
     if failed:
-        raise _tables_failure(failed, total=len(work))
+        raise tables_failure(
+            [
+                TableFailure(
+                    outcome.spec.name,
+                    outcome.failed_hour,
+                    _describe(outcome.error),
+                    [hour.result.hour_key for hour in outcome.hours],
+                    retriable=not isinstance(outcome.error, NOT_RETRIED),
+                )
+                for outcome in failed
+            ],
+            total=len(work),
+        )
 
 
-IN_PROCESS = MirrorRunner(run=_run_in_process, resource_keys=frozenset({"kafka", "spark", "lake"}))
+def _in_process_resources(specs: Sequence[TableSpec]) -> set[str]:
+    # Every table with sensitive columns needs the key: hashes, and its error table's seal.
+    masking = {"masking"} if any(spec.sensitive for spec in specs) else set()
+    return {"kafka", "spark", "lake"} | masking
+
+
+IN_PROCESS = MirrorRunner(run=_run_in_process, resources=_in_process_resources)
 
 
 def _log_table(context: dg.AssetExecutionContext, outcome: TableRun) -> None:
@@ -277,17 +289,30 @@ def _describe(error: BaseException) -> str:
     return str(error) if isinstance(error, NOT_RETRIED) else f"{type(error).__name__}: {error}"
 
 
-def _tables_failure(failed: list[TableRun], *, total: int) -> dg.Failure:
+@dataclass(frozen=True)
+class TableFailure:
+    """A table a run could not finish: the hour that failed, why, the hours committed before."""
+
+    table: str
+    hour_key: str | None
+    reason: str
+    done: list[str]
+    retriable: bool
+
+
+def tables_failure(failed: list[TableFailure], *, total: int) -> dg.Failure:
     """The run's failure when some of its tables failed: each named with its hour and reason.
     Retried only when retrying can help one of them; a retry runs what is not yet done."""
-    lines = []
-    for outcome in failed:
-        done = [hour.result.hour_key for hour in outcome.hours]
-        lines.append(
-            f"{outcome.spec.name} {outcome.failed_hour}: {_describe(outcome.error)}"
-            + (f" (its hours {done[0]} to {done[-1]} were committed and recorded)" if done else "")
+    lines = [
+        f"{f.table} {f.hour_key}: {f.reason}"
+        + (
+            f" (its hours {f.done[0]} to {f.done[-1]} were committed and recorded)"
+            if f.done
+            else ""
         )
-    retriable = any(not isinstance(outcome.error, NOT_RETRIED) for outcome in failed)
+        for f in failed
+    ]
+    retriable = any(f.retriable for f in failed)
     return dg.Failure(
         description=f"{len(failed)} of {total} tables failed; the others were materialized.\n"
         + "\n".join(lines),

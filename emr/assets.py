@@ -31,8 +31,10 @@ from cdc_assets.factory import (
     HourRunConfig,
     MirrorRunner,
     MirrorsRun,
+    TableFailure,
     build_mirror_assets,
     hour_failure,
+    tables_failure,
 )
 from cdc_assets.reporting import HourReport, report_done_hours, report_hours
 from checks.table_checks import MIRROR_CHECKS
@@ -396,7 +398,7 @@ def _run_through_pipes(context: dg.AssetExecutionContext, run: MirrorsRun) -> It
     keeps the hours before it and the run goes on with the next table; the run then fails,
     naming each failed table (retried when retrying can help one of them; a retry skips what
     is done), as the in-process run does."""
-    failures: list[tuple[str, Exception]] = []
+    failures: list[TableFailure] = []
     for spec, hour_keys in run.work:
         check_specs = run.check_specs[spec.name]
         reports: list[HourReport] = []
@@ -406,33 +408,33 @@ def _run_through_pipes(context: dg.AssetExecutionContext, run: MirrorsRun) -> It
                     _run_job(context, spec, hour_key, run.config, check_specs, done=reports)
                 )
         except Exception as exc:
-            context.log.error(f"{spec.name}: {exc}")
-            failures.append((spec.name, exc))
+            failure = _table_failure(spec, hour_keys[len(reports)], exc, reports)
+            context.log.error(f"{spec.name} {failure.hour_key}: {failure.reason}")
+            failures.append(failure)
             yield from report_done_hours(context, spec, check_specs, reports)
             continue
         yield from report_hours(context, spec, check_specs, reports)
     if failures:
-        raise _tables_failed(failures, total=len(run.work))
+        raise tables_failure(failures, total=len(run.work))
 
 
-def _tables_failed(failures: list[tuple[str, Exception]], *, total: int) -> dg.Failure:
-    retriable = any(getattr(exc, "allow_retries", True) for _, exc in failures)
-    lines = [
-        f"{name}: {exc.description if isinstance(exc, dg.Failure) else exc!r}"
-        for name, exc in failures
-    ]
-    return dg.Failure(
-        description=f"{len(failures)} of {total} tables failed; the others were materialized.\n"
-        + "\n".join(lines),
-        allow_retries=retriable,
-    )
+def _table_failure(
+    spec: TableSpec, hour_key: str, exc: Exception, done: list[HourReport]
+) -> TableFailure:
+    """A failed job as the run's failure names it: a Failure's description (the job's own
+    error), else the exception; retried unless the Failure says retrying can't help."""
+    if isinstance(exc, dg.Failure):
+        reason, retriable = exc.description or "", exc.allow_retries
+    else:
+        reason, retriable = f"{type(exc).__name__}: {exc}", True
+    return TableFailure(spec.name, hour_key, reason, [r.hour_key for r in done], retriable)
 
 
 PIPES = MirrorRunner(
     run=_run_through_pipes,
-    resource_keys=frozenset({"pipes_client", "pipes_launch", "kafka", "lake"}),
+    # No `masking`: the job reads its key from its own environment.
+    resources=lambda specs: {"pipes_client", "pipes_launch", "kafka", "lake"},
     note=" Each hour runs as the partition job (emr/pipes_job.py) through Dagster Pipes.",
-    masking_resource=False,
 )
 
 
