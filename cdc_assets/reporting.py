@@ -123,45 +123,52 @@ def _hour_checks(
     selected = context.selected_asset_check_keys
     blocking = {check.name: check.blocking for check in check_specs if check.asset_key == key}
     for report in reports:
+        # The hour's materialization its checks judged (the one this run just recorded).
+        target = _materialization(context, key, report.hour_key)
         for check in report.checks:
             if dg.AssetCheckKey(key, check.check_name) not in selected:
                 continue
             yield hour_check_evaluation(
-                context,
                 check,
-                spec=spec,
+                key=key,
                 hour_key=report.hour_key,
+                target=target,
                 blocking=blocking[check.check_name],
             )
 
 
+def _materialization(
+    context: dg.AssetExecutionContext, key: dg.AssetKey, hour_key: str
+) -> AssetCheckEvaluationTargetMaterializationData | None:
+    """The newest materialization of the asset's hour, as a check evaluation names it."""
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[hour_key]), limit=1
+    ).records
+    if not records:
+        return None
+    return AssetCheckEvaluationTargetMaterializationData(
+        storage_id=records[0].storage_id,
+        run_id=records[0].run_id,
+        timestamp=records[0].timestamp,
+    )
+
+
 def hour_check_evaluation(
-    context: dg.AssetExecutionContext,
     check: dg.AssetCheckResult,
     *,
-    spec: TableSpec,
+    key: dg.AssetKey,
     hour_key: str,
+    target: AssetCheckEvaluationTargetMaterializationData | None,
     blocking: bool,
 ) -> dg.AssetCheckEvaluation:
     """`check` as the result of hour `hour_key`, for a run that materialized a range of hours.
 
-    It names the hour's materialization it judged (the one this run just recorded), so Dagster
-    counts it as current: the UI shows it under that hour, and the downstream assets'
-    `all_deps_blocking_checks_passed` sees it.
+    It names the hour's materialization it judged (`target`), so Dagster counts it as current:
+    the UI shows it under that hour, and the downstream assets' `all_deps_blocking_checks_passed`
+    sees it.
     """
-    asset_key = dg.AssetKey(spec.name)
-    records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[hour_key]), limit=1
-    ).records
-    target = None
-    if records:
-        target = AssetCheckEvaluationTargetMaterializationData(
-            storage_id=records[0].storage_id,
-            run_id=records[0].run_id,
-            timestamp=records[0].timestamp,
-        )
     return dg.AssetCheckEvaluation(
-        asset_key=asset_key,
+        asset_key=key,
         check_name=check.check_name,
         passed=check.passed,
         metadata=check.metadata,
