@@ -11,8 +11,8 @@ each:
 - read: Spark's Kafka read alone (a count);
 - arrow: the same records handed to a Python worker and dropped there: with the columns the
   decoder got before `db1c0ba` (every Kafka column Spark's read has, the headers array
-  included), and with the ones it gets now (`decode.decoder_input`), for the case's table and
-  for the same table with a toasted column (it also gets the old key's header);
+  included), and with the ones it gets now (`decoding.spark.decoder_input`), for the case's
+  table and for the same table with a toasted column (it also gets the old key's header);
 - decode: the job an hour runs (`hour_run._decode`: decode, cache, collect each batch's tally).
 
 The first job of a session also warms the JVM and starts the Python workers, so the first

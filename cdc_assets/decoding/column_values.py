@@ -96,7 +96,7 @@ def column_converter(declared: str, encoding: enc.Encoding) -> ColumnConverter |
 
 def _strings(values: list) -> list | None:
     # Debezium's placeholder for an unchanged TOASTed value is a string too: a column holding
-    # one is read value by value (`decode` says what it means there).
+    # one is read value by value (`cells` says what it means there).
     if _kinds(values) <= {str} and UNAVAILABLE not in values:
         return values
     return None

@@ -96,9 +96,9 @@ class RecordDecoder:
             self._delete_row(row_plan, envelope.get("before"), key, values)
         else:
             self._change_row(row_plan, envelope.get("after"), values, has)
-        self._check_kafka_key(row_plan, key, values)
+        self._check_kafka_key(key, values)
         if op != "d" and plan.toasted and headers:
-            meta["moved_from"] = self._moved_from(row_plan, headers)
+            meta["moved_from"] = self._moved_from(headers)
         return values, meta
 
     def _change_row(self, row_plan: RowPlan, row: Any, values: list, has: list) -> None:
@@ -185,14 +185,14 @@ class RecordDecoder:
     def _key_plan(self, key: bytes, schema: Any) -> RowPlan:
         return self.plans.known_key(schema_prefix(key)) or self.plans.learn_key(key, schema)
 
-    def _check_kafka_key(self, row_plan: RowPlan, key: bytes | None, values: list) -> None:
+    def _check_kafka_key(self, key: bytes | None, values: list) -> None:
         # Debezium keys the record by the row's primary key; a key naming another row means the
         # record was routed or rewritten wrongly, and applying it could hit either row.
         for pk, in_key in self._key_values(key).items():
             if in_key != values[self.plan.index[pk]]:
                 raise BadRecord(f"the Kafka key's '{pk}' differs from the row's primary key")
 
-    def _moved_from(self, row_plan: RowPlan, headers: list) -> dict[str, Any] | None:
+    def _moved_from(self, headers: list) -> dict[str, Any] | None:
         raw = old_key_value(headers)
         return None if raw is None else self._header_key(raw)
 

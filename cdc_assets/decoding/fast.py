@@ -12,7 +12,6 @@ exact pass (`exact.py`), which names every error's reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -39,7 +38,7 @@ from cdc_assets.decoding.plan import DecodePlan, RowPlan
 from cdc_assets.decoding.tally import KeyRange, Tally
 
 _MISSING = msgspec.UNSET  # a column the record's row lacks
-# The JSON kind of a parsed value by its Python type (`encodings.json_kind`).
+# The JSON kind of a parsed value by its Python type (`values.json_kind`).
 _KIND_OF = {
     type(None): "null",
     bool: "boolean",
@@ -78,15 +77,15 @@ class FastPass:
         self.plan = decoder.plan
         self.names = decoder.plan.names
         self.width = len(self.names)
-        self.envelopes = _envelope_decoders(self.plan)
+        typed, untyped = _envelope_decoders(self.plan)
         self.any_json = msgspec.json.Decoder()
         # A typed `after` struct's cells, in plan order (`_envelope_decoders`).
         self.row_cells = (
             attrgetter(*[f"c{n}" for n in range(self.width)]) if self.width > 1 else None
         )
-        self.missing = list(repeat(_MISSING, self.width))
+        self.missing = [_MISSING] * self.width
         # Read once per record: bound here.
-        self.decode_typed, self.decode_untyped = (d.decode for d in self.envelopes)
+        self.decode_typed, self.decode_untyped = typed.decode, untyped.decode
         self.plans, self.pk_index = decoder.plans, self.plan.pk_index
         self.max_bytes, self.toasted = self.plan.max_record_bytes, bool(self.plan.toasted)
 
@@ -255,7 +254,7 @@ class FastPass:
     def _check_keys(self, group: _Group, key_columns: list[list], bad: set[int]) -> None:
         """The Kafka key must name the row's primary key, as the exact pass checks it."""
         plan, keys = self.plan, self.records.keys
-        configured = self.decoder.plans.configured
+        configured = self.plans.configured
         named: dict[int, tuple[RowPlan, list[tuple[int, dict]]]] = {}
         for j, i in enumerate(group.rows):
             key = keys[i]
@@ -297,7 +296,7 @@ class FastPass:
 
     def _key_plan(self, key: bytes) -> RowPlan | None:
         """The plan of a wrapped key's schema, learnt from the first key that has it."""
-        plans = self.decoder.plans
+        plans = self.plans
         prefix = schema_prefix(key)
         if prefix is None:
             return None
@@ -317,13 +316,13 @@ class FastPass:
         prefix = schema_prefix(value)
         if prefix is None:
             return None
-        plan = self.decoder.plans.known_value(prefix)
+        plan = self.plans.known_value(prefix)
         if plan is None:
             try:
                 self.decoder.parse(value)
             except BadRecord:
                 return None
-            plan = self.decoder.plans.known_value(prefix)
+            plan = self.plans.known_value(prefix)
         return plan
 
     def _count(

@@ -257,9 +257,7 @@ class RowPlan:
 
     converters: tuple[enc.Converter | enc.Mismatch, ...]
     encodings: tuple[enc.Encoding, ...]
-    in_schema: tuple[bool, ...]  # the schema declares the column (always True without schema)
     shape: SourceShape
-    key_converters: tuple[enc.Converter | enc.Mismatch, ...]
     # Columns a row of this plan may lack: the source table did not have them when the change
     # was written (`absent_at_the_time`).
     may_lack: frozenset[int] = frozenset()
@@ -303,9 +301,7 @@ def build_row_plan(plan: DecodePlan, row_schema: Mapping[str, Any] | None) -> Ro
     return RowPlan(
         tuple(converters),
         tuple(encodings),
-        tuple(in_schema),
         shape,
-        key_converters=tuple(converters[i] for i in plan.pk_index),
         may_lack=absent_at_the_time(plan, row_schema, in_schema),
     )
 

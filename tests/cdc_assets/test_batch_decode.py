@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from cdc_assets.columns import ERROR
 from cdc_assets.config import TableSpec
+from cdc_assets.decoding import batch as batch_module
 from tests.cdc_assets.decoder_records import (
     PLACEHOLDER,
     _b64,
@@ -94,7 +95,18 @@ def test_a_change_from_before_a_column_existed_takes_its_default_and_no_error():
     assert [(r["n"], r["note"], r[ERROR]) for r in rows] == [(None, None, None)] * 2
 
 
-def test_a_batch_of_good_changes_takes_the_fast_pass_and_bad_ones_keep_their_reasons():
+def test_a_batch_of_good_changes_takes_the_fast_pass_and_bad_ones_keep_their_reasons(
+    monkeypatch,
+):
+    # The records the fast pass leaves to the exact pass, as the batch hands them over.
+    left_to_exact: list[int] = []
+    exact_part = batch_module.exact_part
+
+    def counted(decoder, records, rows, *rest):
+        left_to_exact.extend(rows)
+        return exact_part(decoder, records, rows, *rest)
+
+    monkeypatch.setattr(batch_module, "exact_part", counted)
     spec = spec_for("string")
     good = {
         "id": 1,
@@ -118,6 +130,8 @@ def test_a_batch_of_good_changes_takes_the_fast_pass_and_bad_ones_keep_their_rea
         records.append((b'{"id":%d}' % n, value, None))
     fast, exact = decode_both(spec, batch_of(records))
     assert_same(fast, exact)
+    # The exact pass alone got all 100 (fast=False); of the fast pass's batch, only the bad one.
+    assert left_to_exact == [49, *range(100)]
     errors = fast.column(ERROR).to_pylist()
     assert errors.count(None) == 99
     assert "more than 2 decimal places" in errors[49]

@@ -1,4 +1,4 @@
-"""Spark's read reaches the decoder narrowed to what it reads (`decode.decoder_input`): every
+"""Spark's read reaches the decoder narrowed to what it reads (`spark.decoder_input`): every
 Kafka column but the headers, and the old key's header on a table with toasted columns. The rows
 Spark's Python workers decode must be the ones the decoder gives for the whole Kafka row, as a
 slice read in the driver passes it (every header included)."""
