@@ -731,7 +731,8 @@ def parse_tables_file(raw: dict, *, source: str = "tables config") -> TablesFile
     if isinstance(raw, dict):
         problems += [
             f"{source}: unknown top-level setting '{key}'; a tables file holds "
-            f"{' and '.join(repr(s) for s in TABLES_FILE_SETTINGS)} (check its spelling)"
+            f"{' and '.join(repr(s) for s in TABLES_FILE_SETTINGS)} (check its spelling; a "
+            "block of YAML anchors goes under a key starting x-, e.g. x-defaults)"
             for key in sorted(set(raw) - set(TABLES_FILE_SETTINGS), key=str)
             if not str(key).startswith("x-")
         ]
