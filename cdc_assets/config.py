@@ -445,6 +445,15 @@ class TableSpec(BaseModel):
             "change it (docs/reading.md)."
         ),
     )
+    deletion_vectors_from_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=0,
+        description=(
+            "With deletion_vectors: true, the mirror's size (its data files' bytes) from which "
+            "MERGEs write deletion vectors; a smaller mirror's MERGE rewrites the files it "
+            "touches, which costs a small table less. 0: always write them."
+        ),
+    )
     group: str = "cdc_mirrors"
     description: str | None = None
     expectations: tuple[ExpectationSpec, ...] = ()

@@ -97,6 +97,19 @@ class DeltaLog:
         ]
         return (commits[0].version if commits else None), history
 
+    def size_bytes(self) -> int | None:
+        """The table's data files' bytes at its latest version, from the checksum file Delta
+        writes beside each commit (`<version>.crc`, `tableSizeBytes`); None where that version
+        has none (a writer that writes no checksum, or one that stopped before it)."""
+        versions = self.versions()
+        name = f"{versions[-1]:020d}.crc" if versions else None
+        if name is None or name not in (self._stamps or {}):
+            return None
+        try:
+            return int(json.loads(self._text(name))["tableSizeBytes"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
     def _list(self) -> dict[str, Any]:
         """The log's file names, each with what tells a rewritten file from the one cached."""
         if self._folder is not None:
@@ -119,15 +132,17 @@ class DeltaLog:
         cached = _READ.get((self.path, name))
         if stamp is not None and cached is not None and cached[0] == stamp:
             return cached[1]
-        if self._folder is not None:
-            text = (self._folder / name).read_text()
-        else:
-            answer = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + name)
-            text = answer["Body"].read().decode()
-        commit = _parse(version, text)
+        commit = _parse(version, self._text(name))
         if stamp is not None:
             _READ[(self.path, name)] = (stamp, commit)
         return commit
+
+    def _text(self, name: str) -> str:
+        """A file of the log, as text."""
+        if self._folder is not None:
+            return (self._folder / name).read_text()
+        answer = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + name)
+        return answer["Body"].read().decode()
 
 
 # Commit files are written once, but a table can be dropped and made again at the same path:

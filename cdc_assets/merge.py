@@ -7,7 +7,9 @@ twice. The MERGE's commit carries the run's record (`cdc_assets.commits`); when 
 stale, a metadata-only commit records the run instead.
 
 The mirror is created with deletion vectors (unless `deletion_vectors: false`) and the change
-data feed only where `change_data_feed: true`.
+data feed only where `change_data_feed: true`. A MERGE into a mirror smaller than the table's
+`deletion_vectors_from_bytes` rewrites the files it touches instead of writing deletion vectors:
+for a small table that is the cheaper of the two (`persistent_deletion_vectors`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from cdc_assets.ledger import DeltaLog
 log = logging.getLogger(__name__)
 
 DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
+# Delta's session setting: whether a MERGE into a table with deletion vectors writes them (true,
+# Delta's default) or rewrites the files it touches (false). The run sets it before each MERGE.
+MERGE_PERSISTENT_DVS = "spark.databricks.delta.merge.deletionVectors.persistent"
 
 
 class MirrorSettingError(RuntimeError):
@@ -279,6 +284,15 @@ def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
     return {row["key"]: str(row["value"]).strip().lower() for row in rows}
 
 
+def persistent_deletion_vectors(spec: TableSpec, size_bytes: int | None) -> bool:
+    """Whether this MERGE writes deletion vectors: on a mirror that has them, once it holds
+    `deletion_vectors_from_bytes` (a size not known counts as large). Below that, rewriting the
+    few small files an hour touches costs less than writing, and later applying, deletion
+    vectors (docs/reading.md)."""
+    small = size_bytes is not None and size_bytes < spec.deletion_vectors_from_bytes
+    return spec.deletion_vectors and not small
+
+
 def check_deletion_vectors(path: str, spec: TableSpec, properties: Mapping[str, str]) -> None:
     """Refuses a mirror whose deletion-vector setting is not the table's `deletion_vectors`.
 
@@ -393,6 +407,10 @@ def _merge_once(
         ingested_at=ingested_at,
         truncate_before=truncate_before,
     )
+    # A session setting: a fleet's thread running another table's MERGE at the same moment
+    # may take this one's choice. Either choice writes the same rows; only the cost differs.
+    size = ledger.size_bytes() if ledger is not None else None
+    spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
     with commit_metadata(spark, run_metadata):
         metrics = merge.execute().first()
         if not metrics["num_affected_rows"]:

@@ -58,6 +58,9 @@ def _agrees_with_spark(spark: SparkSession, log: DeltaLog, path: str) -> None:
     assert merge.metrics["numSourceRows"] == "5" and merge.metrics["numTargetRowsInserted"] == "4"
     assert log.run_commit(_run(2), "SET TBLPROPERTIES").version == 2
     assert log.run_commit(_run(9), "MERGE") is None
+    # The size the MERGE's choice of deletion vectors reads: Delta's own, from its snapshot.
+    size = DeltaTable.forPath(spark, path).detail().first()["sizeInBytes"]
+    assert log.size_bytes() == size > 0
 
 
 def test_the_ledger_equals_delta_history_and_a_remade_table_is_read_again(
@@ -76,6 +79,10 @@ def test_the_ledger_equals_delta_history_and_a_remade_table_is_read_again(
         spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc.ledger' = 'x')")
     fresh = DeltaLog(path)
     assert fresh.hour_history() == spark_hour_history(spark, path)
+    # A version without its checksum file (a writer that writes none): the size is not known.
+    version = fresh.latest_version()
+    Path(path, "_delta_log", f"{version:020d}.crc").unlink()
+    assert fresh.size_bytes() is None
     assert [c["hour"] for c in fresh.hour_history()[1]] == ["2026-11-02-05:00"]
 
 
