@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
+from kafka import KafkaConsumer
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -106,9 +107,13 @@ def run_hour(
     """
     lake.connect(spark)
     path = lake.table_path(spec.name)
-    with _storage_failures_named(spec, hour_key, path):
+    # One consumer for the plan's offset lookups and a small slice's read: each new one costs
+    # its connections to the brokers.
+    with _storage_failures_named(spec, hour_key, path), closing(kafka.consumer()) as consumer:
         ctx = HourContext.start(spark, kafka, lake, spec, hour_key, checks, masking_key)
-        hour = plan(ctx, now or datetime.now(UTC), force_open_hour, local_read_max_records)
+        hour = plan(
+            ctx, now or datetime.now(UTC), force_open_hour, local_read_max_records, consumer
+        )
         if hour.slice.size == 0 and ctx.version is not None:
             return record_empty(ctx, hour)
         with (
@@ -116,7 +121,7 @@ def run_hour(
             _Frames(hour.local) as frames,
         ):
             stored_schema = stored_mirror(ctx)
-            records = read(ctx, hour)
+            records = read(ctx, hour, consumer)
             changes = decode_hour(ctx, stored_schema, records, frames)
             held = audit(ctx, changes, frames)
             applied = apply(ctx, hour, changes, held, frames)
@@ -128,13 +133,20 @@ def run_hour(
 
 
 def plan(
-    ctx: HourContext, now: datetime, force_open_hour: bool, local_read_max_records: int
+    ctx: HourContext,
+    now: datetime,
+    force_open_hour: bool,
+    local_read_max_records: int,
+    consumer: KafkaConsumer,
 ) -> HourPlan:
     """The hour's slice: where each partition's hour begins by the runs on record, where it
-    ends by Kafka's offsets for the hour's end; refused while open (I5) or lost (I6)."""
+    ends by Kafka's offsets for the hour's end (looked up with `consumer`, read committed);
+    refused while open (I5) or lost (I6)."""
     previous_end = recorded_offsets(ctx.history, previous_key(ctx.hour_key), "end")
     starts = known_starts(ctx.history, ctx.hour_key, previous_end)
-    hour_slice = _slice(ctx.kafka, ctx.spec, ctx.hour_key, now, starts, previous_end is not None)
+    hour_slice = _slice(
+        ctx.kafka, consumer, ctx.spec, ctx.hour_key, now, starts, previous_end is not None
+    )
     _refuse_open_or_lost(ctx.spec, ctx.hour_key, hour_slice, force_open_hour)
     return HourPlan(
         slice=hour_slice,
@@ -152,15 +164,12 @@ def stored_mirror(ctx: HourContext) -> T.StructType | None:
     return stored_schema
 
 
-def read(ctx: HourContext, hour: HourPlan) -> DataFrame | pa.RecordBatch:
-    """The slice's records: read in this process when small, else by Spark's Kafka source."""
+def read(ctx: HourContext, hour: HourPlan, consumer: KafkaConsumer) -> DataFrame | pa.RecordBatch:
+    """The slice's records: read by `consumer` in this process when small, else by Spark's
+    Kafka source."""
     if not hour.local:
         return read_slice(ctx.spark, ctx.kafka.spark_options(), hour.slice)
-    consumer = ctx.kafka.consumer()
-    try:
-        return read_slice_locally(consumer, hour.slice)
-    finally:
-        consumer.close()
+    return read_slice_locally(consumer, hour.slice)
 
 
 def decode_hour(
@@ -791,13 +800,14 @@ def offset_census(
 
 def _slice(
     kafka: KafkaResource,
+    consumer: KafkaConsumer,
     spec: TableSpec,
     hour_key: str,
     now: datetime,
     starts: dict[int, int],
     starts_cover_topic: bool,
 ) -> HourSlice:
-    consumer, uncommitted = kafka.consumer(), kafka.consumer(committed=False)
+    uncommitted = kafka.consumer(committed=False)
     try:
         return compute_slice(
             consumer,
@@ -811,7 +821,6 @@ def _slice(
             uncommitted=uncommitted,
         )
     finally:
-        consumer.close()
         uncommitted.close()
 
 

@@ -48,8 +48,10 @@ def _keep_records_out_of_logs() -> None:
             logger.addFilter(_RECORDS_FILTER)
 
 
-# kafka-python requires request_timeout_ms above fetch_max_wait_ms (500 ms by default).
+# kafka-python requires request_timeout_ms above fetch_max_wait_ms.
 _MIN_REQUEST_TIMEOUT_MS = 1_000
+# How long a fetch may wait at the broker for records (kafka-python's default is 500 ms).
+_FETCH_MAX_WAIT_MS = 50
 
 _LOGIN_MODULES = {
     "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
@@ -133,7 +135,11 @@ class KafkaResource(dg.ConfigurableResource):
         return settings
 
     def consumer(self, *, committed: bool = True, timeout_ms: int | None = None) -> KafkaConsumer:
-        """A consumer for offset lookups only: no group, no commits, committed reads.
+        """A consumer for offset lookups and slice reads: no group, no commits, committed reads.
+
+        A fetch with nothing new waits at most `_FETCH_MAX_WAIT_MS` at the broker: a slice's
+        read ends where records go on, and a long-polling fetch would hold up the offset
+        lookup queued behind it on the same connection.
 
         `committed=False` reads uncommitted, to see high watermarks (open transactions).
         `timeout_ms` caps its bootstrap and each request below `request_timeout_ms` (the offset
@@ -151,6 +157,7 @@ class KafkaResource(dg.ConfigurableResource):
                 enable_auto_commit=False,
                 group_id=None,
                 isolation_level="read_committed" if committed else "read_uncommitted",
+                fetch_max_wait_ms=_FETCH_MAX_WAIT_MS,
                 **settings,
             )
 
