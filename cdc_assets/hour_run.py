@@ -807,7 +807,7 @@ def _slice(
     starts: dict[int, int],
     starts_cover_topic: bool,
 ) -> HourSlice:
-    uncommitted = kafka.consumer(committed=False)
+    uncommitted = _OnFirstLookUp(kafka)
     try:
         return compute_slice(
             consumer,
@@ -822,6 +822,24 @@ def _slice(
         )
     finally:
         uncommitted.close()
+
+
+class _OnFirstLookUp:
+    """A read_uncommitted consumer for `compute_slice`, connected on its first look-up: only an
+    hour whose end some partition has not reached yet asks for one (`open_transactions`)."""
+
+    def __init__(self, kafka: KafkaResource) -> None:
+        self._kafka = kafka
+        self._consumer: KafkaConsumer | None = None
+
+    def end_offsets(self, partitions: list, timeout_ms: int | None = None) -> dict:
+        if self._consumer is None:
+            self._consumer = self._kafka.consumer(committed=False)
+        return self._consumer.end_offsets(partitions, timeout_ms=timeout_ms)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
 
 
 def _refuse_open_or_lost(

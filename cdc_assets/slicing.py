@@ -177,20 +177,26 @@ def compute_slice(
     added since and starts at offset 0: its records stamped before this hour, written after the
     previous hour ran, are this hour's (the log's order), not offsets of no hour.
     `uncommitted` (a read_uncommitted consumer) finds open transactions, which keep the hour
-    open.
+    open; it is asked only when a partition has no record at or after the hour's end yet.
     """
     hour_end = hour_start + timedelta(hours=1)
     tps = topic_partitions(consumer, table=table, topic=topic)
     known_starts = known_starts or {}
-    offsets = _look_up_offsets(consumer, tps, hour_start, hour_end, uncommitted)
+    offsets = _look_up_offsets(consumer, tps, hour_start, hour_end)
     slices = [_partition_slice(tp, offsets, known_starts, starts_cover_topic) for tp in tps]
     waiting = [tp for tp in tps if offsets.at_end[tp] is None]
+    # Only a partition still waiting for the hour's end can be held open by a transaction.
+    pending = (
+        open_transactions(uncommitted, {tp: offsets.stable_ends[tp] for tp in waiting})
+        if waiting and uncommitted is not None
+        else set()
+    )
     reason = open_reason(
         hour_end=hour_end,
         now=now,
         allowed_lateness=allowed_lateness,
         waiting=[tp.partition for tp in waiting],
-        in_transaction=[tp.partition for tp in waiting if tp in offsets.pending],
+        in_transaction=[tp.partition for tp in waiting if tp in pending],
     )
     return HourSlice(
         topic=topic,
@@ -211,7 +217,6 @@ class _Offsets:
     at_start: Mapping[TopicPartition, OffsetAndTimestamp | None]  # first stamped >= hour start
     at_end: Mapping[TopicPartition, OffsetAndTimestamp | None]  # first stamped >= hour end
     stable_ends: Mapping[TopicPartition, int]  # last stable offsets (read_committed ends)
-    pending: set[TopicPartition]  # open transactions
 
 
 def _look_up_offsets(
@@ -219,16 +224,14 @@ def _look_up_offsets(
     tps: list[TopicPartition],
     hour_start: datetime,
     hour_end: datetime,
-    uncommitted: KafkaConsumer | None,
 ) -> _Offsets:
-    """The log starts, the offsets at the hour's edges, the stable ends and open transactions."""
+    """The log starts, the offsets at the hour's edges and the stable ends."""
     log_starts = consumer.beginning_offsets(tps)
     at_start = consumer.offsets_for_times({tp: _to_ms(hour_start) for tp in tps})
     at_end = consumer.offsets_for_times({tp: _to_ms(hour_end) for tp in tps})
     # Last stable offsets (read_committed), fetched last: every offset found above lies below.
     stable_ends = consumer.end_offsets(tps)
-    pending = open_transactions(uncommitted, stable_ends) if uncommitted is not None else set()
-    return _Offsets(log_starts, at_start, at_end, stable_ends, pending)
+    return _Offsets(log_starts, at_start, at_end, stable_ends)
 
 
 def _partition_slice(
