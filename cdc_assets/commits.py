@@ -18,7 +18,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -212,13 +212,36 @@ def spark_hour_history(spark: SparkSession, path: str) -> tuple[int | None, list
 # --- what the runs recorded, read back -----------------------------------------------------
 
 
-def recorded_offsets(history: list[dict], hour_key: str, edge: str) -> dict[int, int] | None:
-    """The newest recorded run's `edge` ("start"/"end") offsets of an hour, or None."""
+def recorded_offsets(
+    history: list[dict], hour_key: str, edge: str, *, complete: bool = False
+) -> dict[int, int] | None:
+    """The newest recorded run's `edge` ("start"/"end") offsets of an hour, or None;
+    `complete`: of the newest run that read the hour closed, not a partial one (a refresh's
+    end is not where the next hour begins)."""
     for commit in history:  # newest first
-        if commit.get("hour") == hour_key:
+        if commit.get("hour") == hour_key and not (complete and commit.get("partial")):
             parts = commit["slice"]["partitions"]
             return {int(p): offsets[edge] for p, offsets in parts.items()}
     return None
+
+
+def refreshed_to(
+    history: list[dict], hour_key: str, hour_starts: Mapping[int, int]
+) -> dict[int, int]:
+    """Where the hour's newest run read each partition up to, when that run was a refresh (a
+    partial run) that began the hour where this run does: the next run of the hour reads on
+    from there (`slicing.remainder`). Empty otherwise: the run reads the whole hour, which the
+    newer-wins rule makes a replay."""
+    for commit in history:  # newest first
+        if commit.get("hour") != hour_key:
+            continue
+        if not commit.get("partial"):
+            return {}
+        parts = {int(p): offsets for p, offsets in commit["slice"]["partitions"].items()}
+        if any(hour_starts.get(p) != offsets["start"] for p, offsets in parts.items()):
+            return {}
+        return {p: offsets["end"] for p, offsets in parts.items()}
+    return {}
 
 
 def known_starts(

@@ -56,6 +56,7 @@ from cdc_assets.commits import (
     record_run,
     recorded_mirror_newest,
     recorded_offsets,
+    refreshed_to,
     truncate_watermark,
 )
 from cdc_assets.config import TableSpec, typed_default
@@ -70,7 +71,13 @@ from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
 from cdc_assets.results import HourCounts, HourResult, KeyCounts
 from cdc_assets.rule import latest_per_key
-from cdc_assets.slicing import DataLossError, HourSlice, OpenHourError, compute_slice
+from cdc_assets.slicing import (
+    DataLossError,
+    HourSlice,
+    OpenHourError,
+    compute_slice,
+    remainder,
+)
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey
@@ -141,18 +148,25 @@ def plan(
 ) -> HourPlan:
     """The hour's slice: where each partition's hour begins by the runs on record, where it
     ends by Kafka's offsets for the hour's end (looked up with `consumer`, read committed);
-    refused while open (I5) or lost (I6)."""
-    previous_end = recorded_offsets(ctx.history, previous_key(ctx.hour_key), "end")
+    refused while open (I5) or lost (I6). After a refresh of the hour (a partial run, forced
+    or the sensor's `refresh_minutes`), the run reads only what follows the refresh's end."""
+    previous_end = recorded_offsets(ctx.history, previous_key(ctx.hour_key), "end", complete=True)
     starts = known_starts(ctx.history, ctx.hour_key, previous_end)
     hour_slice = _slice(
         ctx.kafka, consumer, ctx.spec, ctx.hour_key, now, starts, previous_end is not None
     )
+    hour_starts = hour_slice.start_offsets()
+    read_to = refreshed_to(ctx.history, ctx.hour_key, hour_starts)
+    if read_to:
+        hour_slice = remainder(hour_slice, read_to)
     _refuse_open_or_lost(ctx.spec, ctx.hour_key, hour_slice, force_open_hour)
     return HourPlan(
         slice=hour_slice,
         previous_end=previous_end,
         prior_newest=recorded_mirror_newest(ctx.spark, ctx.path, ctx.history, ctx.version),
         local=hour_slice.size <= local_read_max_records,
+        hour_starts=hour_starts,
+        refreshed_to=read_to or None,
     )
 
 
@@ -322,6 +336,8 @@ def account(
         error_reasons=held.reasons,
         merge_version=outcome.version,
         previous_end=hour.previous_end,
+        hour_starts=hour.hour_starts,
+        refreshed_to=hour.refreshed_to,
         source_fields=changes.batch.shape,
         audit=held.audit,
         expectations=verdicts,
@@ -348,6 +364,8 @@ def record_empty(ctx: HourContext, hour: HourPlan) -> HourResult:
         newest_source_ts=None,
         finished_at=datetime.now(UTC),
         previous_end=hour.previous_end,
+        hour_starts=hour.hour_starts,
+        refreshed_to=hour.refreshed_to,
         audit=ctx.checks.audit_nothing(ctx.spec),
         expectations=tuple(ctx.checks.validate_nothing(ctx.spec)),
         mirror_newest=_from_ms(hour.prior_newest),
@@ -399,14 +417,26 @@ class HourContext:
 
 @dataclass(frozen=True)
 class HourPlan:
-    """The hour's slice, the previous hour's recorded end, the mirror's newest source time as
-    recorded (ms), whether the slice is read in this process, and the run's ingestion time."""
+    """The slice this run reads, the previous hour's recorded end, the mirror's newest source
+    time as recorded (ms), whether the slice is read in this process, the run's ingestion
+    time; where the hour begins, and where a refresh of it read up to (None: no refresh, the
+    slice is the whole hour)."""
 
     slice: HourSlice
     previous_end: dict[int, int] | None
     prior_newest: int | None
     local: bool
     ingested_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    hour_starts: dict[int, int] = field(default_factory=dict)
+    refreshed_to: dict[int, int] | None = None
+
+    def recorded_slice(self) -> dict:
+        """The slice as the run's commit records it: from the hour's start to this run's end,
+        so the next hour, a rerun and the next refresh find where the hour begins."""
+        recorded = self.slice.as_dict()
+        for partition, offsets in recorded["partitions"].items():
+            offsets["start"] = self.hour_starts.get(int(partition), offsets["start"])
+        return recorded
 
 
 @dataclass(frozen=True)
@@ -890,7 +920,7 @@ def _record(
     (`COLUMN_DEFAULTS`) and the source columns the runs have seen (`SOURCE_COLUMNS`)."""
     record = {
         "hour": ctx.hour_key,
-        "slice": hour.slice.as_dict(),
+        "slice": hour.recorded_slice(),
         "partial": not hour.slice.closed,
         "consumed": consumed,
         "tombstones": tombstones,
@@ -898,6 +928,8 @@ def _record(
         "pipeline": "cdc-lake",
         MIRROR_NEWEST: _newer(hour.prior_newest, newest_ms),
     }
+    if hour.refreshed_to is not None:  # the counts are of the part after the refresh's end
+        record["read_from"] = {str(p): o for p, o in hour.slice.start_offsets().items()}
     defaults = connector_defaults
     if defaults is None:
         defaults = ctx.running(COLUMN_DEFAULTS, {})

@@ -50,6 +50,15 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
         metadata["lost_offsets"] = dg.MetadataValue.text(
             "; ".join(r.describe() for r in result.slice.lost)
         )
+    if result.refreshed_to is not None:
+        # A refresh of this open hour had read up to these offsets: this run read the rest.
+        metadata["hour_start_offsets"] = dg.MetadataValue.json(
+            {str(p): o for p, o in result.hour_start_offsets().items()}
+        )
+    if result.mirror_newest is not None:
+        # The mirror's freshness when the run ended: the age of its newest applied change.
+        age = (result.finished_at - result.mirror_newest).total_seconds()
+        metadata["freshness_seconds"] = dg.MetadataValue.float(round(age, 3))
     if result.lag_seconds is not None:
         metadata["lag_seconds"] = dg.MetadataValue.float(round(result.lag_seconds, 3))
         metadata["newest_source_ts"] = dg.MetadataValue.timestamp(result.newest_source_ts)

@@ -114,6 +114,14 @@ class HourResult:
     mirror_newest: datetime | None = None
     # Undeclared columns `new_columns: add` did not add: the table has sensitive columns.
     withheld_columns: tuple[str, ...] = ()
+    # Where the hour begins per partition (None: where `slice` begins), and where a refresh of
+    # the hour had read up to, from where this run read on (None: it read the whole hour).
+    hour_starts: dict[int, int] | None = None
+    refreshed_to: dict[int, int] | None = None
+
+    def hour_start_offsets(self) -> dict[int, int]:
+        """Where the hour begins, per partition: the slice's start unless a refresh came first."""
+        return dict(self.hour_starts) if self.hour_starts else self.slice.start_offsets()
 
     @property
     def lag_seconds(self) -> float | None:

@@ -22,7 +22,7 @@ with no such record, a slice that begins exactly at a non-zero log start is repo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from kafka import KafkaConsumer, TopicPartition
@@ -259,6 +259,26 @@ def _partition_slice(
         log_start=offsets.log_starts[tp],
         moved_past=at_end is not None,
     )
+
+
+def remainder(hour_slice: HourSlice, read_to: Mapping[int, int]) -> HourSlice:
+    """What a run of an hour reads after a refresh of it (a partial run) read each partition up
+    to `read_to`: the slice from there on. The hour's slice starts where it did; a partition the
+    refresh did not know is read whole. Offsets retention deleted below the refresh's end are
+    lost only if this run would have read them."""
+    parts, lost = [], []
+    hour_lost = {r.partition: r for r in hour_slice.lost}
+    for part in hour_slice.partitions:
+        done = read_to.get(part.partition)
+        if done is None:
+            parts.append(part)
+            if part.partition in hour_lost:
+                lost.append(hour_lost[part.partition])
+            continue
+        parts.append(replace(part, start=min(max(part.start, done), part.end)))
+        if done < part.log_start:
+            lost.append(LostRange(part.partition, done, part.log_start))
+    return replace(hour_slice, partitions=tuple(parts), lost=tuple(lost))
 
 
 def _lost_ranges(slices: list[PartitionSlice], known_starts: Mapping[int, int]) -> list[LostRange]:

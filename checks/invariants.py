@@ -179,7 +179,8 @@ def accounting_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckR
 
 
 def continuity_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
-    starts = result.slice.start_offsets()
+    # The hour's start, also when a refresh read its beginning and this run the rest.
+    starts = result.hour_start_offsets()
     log_starts = {p.partition: p.log_start for p in result.slice.partitions}
     previous = result.previous_end
     metadata = {"start_offsets": _offsets(starts)}

@@ -20,7 +20,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import ADAPTIVE, SequenceConfigError, run_hour, sized_shuffles
 from cdc_assets.slicing import DataLossError, OpenHourError
-from checks.invariants import accounting_result
+from checks.invariants import accounting_result, continuity_result
 from checks.table_checks import MIRROR_CHECKS
 from demo.reference import replay_with_errors
 from resources.lake import LakeResource
@@ -93,7 +93,9 @@ def test_an_open_hour_is_refused_until_forced(run, create_topic, send, kafka, sp
     send(topic, b'{"id":5}', _change("c", 5, 14), _ms(HOUR) + 3_602_000, partition=0)
     completed = run(spec, lake, now=hour_end + timedelta(minutes=5))
     assert not completed.partial and completed.slice.closed
-    assert completed.counts.applied == 1 and completed.counts.stale == 2
+    # It reads on from where the forced run ended: only the late record.
+    assert completed.counts.consumed == 1 and completed.counts.applied == 1
+    assert completed.hour_start_offsets() == {0: 0, 1: 0}
     assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (4,)]
 
 
@@ -564,3 +566,92 @@ def test_an_hour_whose_every_change_is_stale_reports_the_version_it_committed(
     (newest,) = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").collect()
     assert again.delta_version == newest["version"] > first.delta_version
     assert json.loads(newest["userMetadata"])["hour"] == KEY
+
+
+def test_refreshes_read_only_what_is_new_and_the_final_run_completes_the_hour(
+    run, create_topic, send, broker, kafka, spark, lake, monkeypatch
+):
+    """An open hour refreshed three times while changes keep arriving (forced, as the sensor's
+    `refresh_minutes` does), one refresh crashing before its MERGE and one after its commit,
+    then closed: after every run the mirror equals the replay of the records up to that run's
+    end; each run reads from where the previous one ended; the runs' counts add up to the
+    hour's records; and the hour's recorded slice still starts where the hour does."""
+    from cdc_assets import hour_run
+
+    topic = create_topic("refreshes", partitions=2)
+    spec = accounts_spec(topic)
+    path = lake.table_path(spec.name)
+    lsn, sent = iter(range(100, 10_000)), []
+
+    def wave(minute: int, ids: list[int], op: str = "u") -> None:
+        for n, row_id in enumerate(ids):
+            value = _change(op if row_id > 2 else "c", row_id, next(lsn), f"m{minute}", ts_ms=1)
+            at = _ms(HOUR + timedelta(minutes=minute, seconds=n))
+            sent.append(send(topic, json.dumps({"id": row_id}).encode(), value, at, row_id % 2))
+
+    def agrees(result) -> None:
+        ends = result.slice.end_offsets()
+        records = [(p, o, v) for p, o, v, _ in read_topic(broker, topic) if o < ends.get(p, 0)]
+        assert diff_rows(mirror_rows(spark, path, spec), replay_with_errors(spec, records)[0]) == {
+            "missing": [],
+            "unexpected": [],
+            "different": [],
+        }
+        assert accounting_result(result, spec.checks.accounting).passed
+        assert continuity_result(result, spec.checks.continuity).passed
+
+    runs = []
+
+    def refresh(minute: int, **options) -> None:
+        result = run(spec, lake, now=HOUR + timedelta(minutes=minute), **options)
+        agrees(result)  # the mirror as of this run's end, before more changes arrive
+        runs.append(result)
+
+    wave(1, [1, 2, 3, 4])
+    refresh(15, force_open_hour=True)
+    wave(16, [3, 5, 6, 3])
+    with monkeypatch.context() as crash:  # before its MERGE: nothing of it is recorded
+        crash.setattr(hour_run, "merge_changes", _raise)
+        with pytest.raises(RuntimeError, match="crash"):
+            run(spec, lake, now=HOUR + timedelta(minutes=30), force_open_hour=True)
+    refresh(30, force_open_hour=True)
+    wave(31, [4, 7, 1])
+    with monkeypatch.context() as crash:  # after its commit: the next run reads on from it
+        crash.setattr(hour_run, "validate", _raise)
+        with pytest.raises(RuntimeError, match="crash"):
+            run(spec, lake, now=HOUR + timedelta(minutes=45), force_open_hour=True)
+    wave(46, [8, 5, 2])
+    refresh(50, force_open_hour=True)
+    wave(55, [9, 6])
+    # Both partitions move past the hour: it closes.
+    for partition in (0, 1):
+        at = _ms(HOUR + timedelta(hours=1, minutes=1))
+        send(topic, b'{"id":99}', _change("c", 99, next(lsn)), at, partition)
+    refresh(80)
+    final = runs[-1]
+
+    assert [r.partial for r in runs] == [True, True, True, False]
+    for result in runs:
+        assert result.hour_start_offsets() == {0: 0, 1: 0}
+    # Every record of the hour was read exactly once across the runs that counted it, the
+    # crashed-after-commit one included (its commit recorded its counts).
+    _, history = hour_history(spark, path)
+    recorded = [c for c in history if c["hour"] == KEY and not c.get("moved_rows")]
+    assert sum(c["consumed"] for c in recorded) == len(sent)
+    assert all(
+        offsets["start"] == 0 for c in recorded for offsets in c["slice"]["partitions"].values()
+    )
+    # Oldest first: each run read on from where the run before it ended, none from the start.
+    recorded.reverse()
+    assert len(recorded) == 5 and "read_from" not in recorded[0]
+    for earlier, later in zip(recorded, recorded[1:], strict=False):
+        ends = {p: o["end"] for p, o in earlier["slice"]["partitions"].items()}
+        assert later["read_from"] == ends
+    assert not final.partial and final.slice.closed
+    assert sorted(final.slice.end_offsets().items()) == sorted(
+        {p: max(o for q, o in sent if q == p) + 1 for p in (0, 1)}.items()
+    )
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("crash")

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from kafka import TopicPartition
 
-from cdc_assets.slicing import LostRange, SliceError, compute_slice
+from cdc_assets.commits import recorded_offsets, refreshed_to
+from cdc_assets.slicing import LostRange, SliceError, compute_slice, remainder
 from tests.fakes import FakeConsumer
 
 H = datetime(2026, 11, 4, 8, tzinfo=UTC)
@@ -91,3 +92,41 @@ def test_offsets_deleted_by_retention_are_reported_exactly_when_the_start_is_kno
 def test_a_missing_topic_names_the_table_and_the_setting():
     with pytest.raises(SliceError, match="table 't': topic 't' does not exist.*'topic' setting"):
         _slice(FakeConsumer({}))
+
+
+def test_after_a_refresh_the_next_run_reads_on_and_the_next_hour_starts_at_a_complete_end():
+    """A refresh (a partial run) of hour 0 read partition 0 up to offset 2. The next run of the
+    hour reads from there (`remainder`); a partition the refresh did not know is read whole;
+    retention past the refresh's end is loss. Hour 1 starts at hour 0's end only as a run that
+    read it closed recorded it, never at a refresh's end."""
+    consumer = FakeConsumer(
+        {"t": {0: [_ms(0, 1), _ms(0, 2), _ms(0, 3), _ms(1, 1)], 1: [_ms(0, 5)]}}
+    )
+    hour = _slice(consumer, now=H + timedelta(hours=2))
+    piece = remainder(hour, {0: 2})
+    assert piece.start_offsets() == {0: 2, 1: 0} and piece.end_offsets() == hour.end_offsets()
+    assert piece.size == 2 and not piece.lost
+    assert remainder(hour, {0: 9}).start_offsets()[0] == 3  # never past the hour's end
+
+    trimmed = FakeConsumer(
+        {"t": {0: [_ms(0, 1), _ms(0, 2), _ms(0, 3), _ms(1, 1)]}},
+        log_starts={TopicPartition("t", 0): 3},
+    )
+    lost = remainder(_slice(trimmed, known_starts={0: 0}), {0: 1})
+    assert lost.lost == (LostRange(0, 1, 3),) and lost.start_offsets() == {0: 3}
+
+    refresh = {
+        "hour": "h0",
+        "partial": True,
+        "slice": {"partitions": {"0": {"start": 0, "end": 2}}},
+    }
+    closed = {
+        "hour": "h0",
+        "partial": False,
+        "slice": {"partitions": {"0": {"start": 0, "end": 3}}},
+    }
+    assert refreshed_to([refresh, closed], "h0", {0: 0}) == {0: 2}
+    assert refreshed_to([refresh], "h0", {0: 1}) == {}  # the hour now starts elsewhere: all
+    assert refreshed_to([closed, refresh], "h0", {0: 0}) == {}  # a rerun of a closed hour: all
+    assert recorded_offsets([refresh, closed], "h0", "end", complete=True) == {0: 3}
+    assert recorded_offsets([refresh], "h0", "end", complete=True) is None
