@@ -430,6 +430,16 @@ class TableSpec(BaseModel):
             "range into runs of at most this many hours, each in one Spark session."
         ),
     )
+    refresh_minutes: int | None = Field(
+        default=None,
+        ge=1,
+        le=60,
+        description=(
+            "Tier-0 freshness: while an hour is open, the offset sensor refreshes it every this "
+            "many minutes, each refresh reading only what arrived since the last one; the run "
+            "after the hour closes completes it with every check. Unset: hourly only."
+        ),
+    )
     accept_data_loss: bool = Field(
         default=False,
         description="Run hours whose offsets retention already deleted, reporting the loss.",

@@ -22,7 +22,7 @@ from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
-from cdc_assets.partitions import hourly_partitions, mirrors_pool
+from cdc_assets.partitions import REFRESH_TAG, hourly_partitions, mirrors_pool
 from cdc_assets.reporting import (
     HourReport,
     hour_summary,
@@ -189,6 +189,8 @@ def _mirrors_asset(
             for spec in selected
         ]
         work = [(spec, hours) for spec, hours in work if hours]
+        if context.run.tags.get(REFRESH_TAG) == "true":  # the sensor's refresh of an open hour
+            config = HourRunConfig(force_open_hour=True)
         yield from runner.run(context, MirrorsRun(work, config, checks, checks_of))
 
     with warnings.catch_warnings():

@@ -15,6 +15,11 @@ from cdc_assets.config import TableSpec
 
 MIRRORS_POOL = "cdc_mirrors"
 
+# The tag of a run the offset sensor launches to refresh an open hour of tier-0 tables
+# (`refresh_minutes`): the run slices the open hour as `force_open_hour` does, and its results
+# are partial until the run after the hour closes completes them.
+REFRESH_TAG = "cdc/refresh"
+
 
 def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:
     # end_offset=1: the current, still open hour exists as a partition so that a person can

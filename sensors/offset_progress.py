@@ -12,6 +12,9 @@ records the table's consumer lag as an asset observation (`sensors.lag`).
 
 A Kafka that does not answer fails the tick within `kafka_timeout_seconds`, naming the table and
 the bootstrap servers; the cursor stays where it was, so the next tick starts over.
+
+Tier-0 tables (`refresh_minutes`) also get a refresh of their open hours once per slot of that
+many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import dagster as dg
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hours import hour_start
+from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import SliceError
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
 from sensors.cursor import Cursor, FleetCursor
 from sensors.lag import lag_if_due
-from sensors.planning import HourRange, HourState, TickPlan, plan_tick
+from sensors.planning import HourRange, HourState, TickPlan, plan_tick, refresh_slot
 from sensors.topic_reads import TopicProgress, Watch, read_fleet_progress_within
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
@@ -37,6 +41,8 @@ RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 # The tables requested together, by the span of hours (partition keys) they run.
 Together = dict[tuple[str, ...], list[tuple[TableSpec, HourRange]]]
+# The tier-0 tables to refresh, by open hour and `refresh_minutes` slot.
+Refreshes = dict[tuple[str, str], list[TableSpec]]
 
 
 def build_offset_sensor(
@@ -99,11 +105,17 @@ def _tick(
         timeout_seconds=kafka_timeout_seconds,
         what=f"table {_table_names(specs)}, bootstrap servers {kafka.bootstrap_servers}",
     )
-    together, waiting, events = _plan_tables(
+    together, waiting, events, refreshes = _plan_tables(
         context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
     )
     requests = [_run_request(span, tables) for span, tables in sorted(together.items())]
+    requests += [_refresh_request(*due, tables) for due, tables in sorted(refreshes.items())]
     _log_requests(context, together)
+    for (hour, slot), tables in sorted(refreshes.items()):
+        context.log.info(
+            f"refreshing open hour {hour} (slot {slot}) of {len(tables)} tables: "
+            + ", ".join(spec.name for spec in tables)
+        )
     skip = None
     if not requests:
         skip = "; ".join(waiting[:5]) or "every closed hour was requested"
@@ -144,14 +156,15 @@ def _plan_tables(
     *,
     now: datetime,
     watch_hours: int,
-) -> tuple[Together, list[str], list[dg.AssetObservation]]:
+) -> tuple[Together, list[str], list[dg.AssetObservation], Refreshes]:
     """Plans each table's hours, table by table, and updates its cursor and lag in `cursor`.
 
-    Returns the tables to request per span of hours, why the others wait, and the lag
-    observations due.
+    Returns the tables to request per span of hours, why the others wait, the lag
+    observations due, and the tier-0 tables to refresh per open hour and slot.
     """
     by_name = {spec.name: spec for spec in specs}
     together: Together = {}
+    refreshes: Refreshes = {}
     waiting, events = [], []
     for watch in watches:
         spec, found = by_name[watch.table], progress[watch.table]
@@ -169,10 +182,12 @@ def _plan_tables(
                 together.setdefault(span, []).append((spec, hours))
             if not plan.ranges and plan.waiting:
                 waiting.append(f"{spec.name}: {plan.waiting}")
+            for hour in plan.refresh:
+                refreshes.setdefault((hour, refresh_slot(spec, now)), []).append(spec)
         observation = lag_if_due(context, spec, found, cursor, now)
         if observation is not None:
             events.append(observation)
-    return together, waiting, events
+    return together, waiting, events, refreshes
 
 
 def _plan_table(
@@ -248,6 +263,27 @@ def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]
         asset_selection=keys,
         asset_check_keys=checks,
         tags={**tags, RANGE_START_TAG: span[0], RANGE_END_TAG: span[-1]},
+    )
+
+
+def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunRequest:
+    """One run refreshing open hour `hour` of the tier-0 tables due in `slot`, tagged
+    `REFRESH_TAG` (the run slices the open hour; each refresh reads what arrived since the
+    last). Its run key names the hour, the slot and the tables: one refresh per slot."""
+    names = sorted(spec.name for spec in tables)
+    digest = hashlib.sha1("|".join(names).encode()).hexdigest()[:16]
+    who = names[0] if len(names) == 1 else f"{len(names)} tables:{digest}"
+    tags = {"cdc/trigger": "offset_sensor", REFRESH_TAG: "true", "cdc/tables": str(len(names))}
+    return dg.RunRequest(
+        run_key=f"refresh:{who}:{hour}:{slot}",
+        asset_selection=[dg.AssetKey(spec.name) for spec in tables],
+        asset_check_keys=[
+            dg.AssetCheckKey(dg.AssetKey(spec.name), name)
+            for spec in tables
+            for name in run_check_names(spec)
+        ],
+        partition_key=hour,
+        tags=tags,
     )
 
 

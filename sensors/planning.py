@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from cdc_assets.config import TableSpec
@@ -81,6 +81,36 @@ class TickPlan:
     cursor: Cursor
     hours: list[HourState]  # the closed hours looked at, oldest first
     waiting: str | None  # why the oldest open hour is open
+    # The open hours to refresh in this tick's `refresh_minutes` slot (tier-0 tables only).
+    refresh: list[str] = field(default_factory=list)
+
+
+# At most this many open hours are refreshed per tick: the one lateness still holds open, the
+# current one, and one more for a clock that crossed an hour between the read and the plan.
+_MOST_OPEN_HOURS = 3
+
+
+def refresh_hours(
+    spec: TableSpec, closed: list[HourState], *, now: datetime, watch_from: datetime
+) -> list[str]:
+    """A tier-0 table's open hours (`refresh_minutes` set): from the first open one to the
+    current hour. Each is refreshed once per slot (`refresh_slot`); other tables get none."""
+    if not spec.refresh_minutes:
+        return []
+    moment = hour_start(closed[-1].key) + HOUR if closed else watch_from
+    keys = []
+    while moment <= now and len(keys) < _MOST_OPEN_HOURS:
+        keys.append(hour_key(moment))
+        moment += HOUR
+    return keys
+
+
+def refresh_slot(spec: TableSpec, now: datetime) -> str:
+    """The `refresh_minutes` slot `now` falls in (minutes since the epoch, floored), as text:
+    a refresh's run key carries it, so Dagster starts one refresh per hour and slot."""
+    minutes = int(now.timestamp() // 60)
+    start = minutes - minutes % (spec.refresh_minutes or 60)
+    return datetime.fromtimestamp(start * 60, now.tzinfo).strftime("%Y-%m-%dT%H:%M")
 
 
 def plan_tick(
@@ -110,6 +140,7 @@ def plan_tick(
         cursor=Cursor(watch_from=hour_key(settled_until), requested=kept),
         hours=hours,
         waiting=waiting,
+        refresh=refresh_hours(spec, hours, now=now, watch_from=watch_from),
     )
 
 

@@ -19,6 +19,7 @@ from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import build_table_asset
 from cdc_assets.hour_run import ADAPTIVE, SequenceConfigError, run_hour, sized_shuffles
+from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import DataLossError, OpenHourError
 from checks.invariants import accounting_result, continuity_result
 from checks.table_checks import MIRROR_CHECKS
@@ -132,6 +133,21 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     complete = {c.check_name: c for c in forced.get_asset_check_evaluations()}["complete_hour"]
     assert not complete.passed and "still open" in complete.description
     assert not forced.success
+
+    # The offset sensor's refresh of a tier-0 table: the run's tag forces the open hour, and
+    # the refresh reads only what arrived since the forced run.
+    send(topic, b'{"id":2}', _change("c", 2, 11), _ms(now) + 1)
+    refreshed = dg.materialize(
+        [asset],
+        partition_key=key,
+        resources=resources,
+        tags={REFRESH_TAG: "true"},
+        raise_on_error=False,
+    )
+    metadata = refreshed.asset_materializations_for_node("accounts")[0].metadata
+    assert metadata["partial_hour"].value is True and metadata["consumed"].value == 1
+    assert metadata["hour_start_offsets"].value == {"0": 0}
+    assert metadata["freshness_seconds"].value >= 0
 
 
 def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(

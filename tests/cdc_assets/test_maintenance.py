@@ -36,10 +36,13 @@ CHANGES_PER_HOUR = 60  # enough for the demo to send malformed records every hou
 
 @pytest.fixture(scope="module")
 def mirror(broker, kafka, spark, tmp_path_factory):
-    """(spec, lake): order_items mirrored hour by hour, HOURS MERGEs of small files."""
+    """(spec, lake): order_items mirrored hour by hour, HOURS MERGEs of small files, each
+    writing deletion vectors as a large mirror's MERGE does (`deletion_vectors_from_bytes: 0`;
+    a small mirror's rewrite the file they touch)."""
     specs = demo_specs(f"maint{uuid.uuid4().hex[:8]}")
     seed_demo(broker, specs, hours=HOURS, changes_per_hour=CHANGES_PER_HOUR)
     spec = next(s for s in specs if s.name == "order_items")
+    spec = spec.model_copy(update={"deletion_vectors_from_bytes": 0})
     lake = LakeResource(root=str(tmp_path_factory.mktemp("maintenance") / "lake"))
     for key in hour_keys(FIRST_HOUR, HOURS):
         run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)

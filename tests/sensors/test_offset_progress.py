@@ -15,10 +15,12 @@ import pytest
 from kafka import KafkaProducer
 
 from cdc_assets.config import TableSpec
+from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import compute_slice
 from resources.kafka import KafkaResource
 from sensors.cursor import FleetCursor
 from sensors.offset_progress import RANGE_END_TAG, RANGE_START_TAG, build_offset_sensor
+from sensors.planning import refresh_slot
 from sensors.topic_reads import KafkaUnavailableError
 from tests.conftest import _free_port
 
@@ -263,3 +265,33 @@ def test_a_kafka_that_accepts_connections_but_never_answers_fails_the_tick_at_it
     message = str(failure.value)
     assert "did not answer within 2 s" in message
     assert "table 'silent'" in message and servers in message and "cursor kept" in message
+
+
+def test_a_tier0_table_gets_a_refresh_of_its_open_hours_once_per_slot(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    topic = create_topic(f"{topic_prefix}-tier0", partitions=1)
+    spec = _spec(topic, lateness=600).model_copy(update={"refresh_minutes": 15})
+    for hour in range(4):
+        send(topic, b"a", b"{}", _at(hour, 10), partition=0)
+    ticks = Ticks(spec, kafka, instance)
+
+    slot = refresh_slot(spec, datetime.now(UTC))
+    first = ticks.tick()
+    hourly = [r for r in first.run_requests if REFRESH_TAG not in r.tags]
+    refreshes = [r for r in first.run_requests if REFRESH_TAG in r.tags]
+    assert [_hours(r) for r in hourly] == [(KEYS[0], KEYS[2])]
+    current = datetime.now(UTC).strftime("%Y-%m-%d-%H:00")
+    # H3 is open (lateness far from passed), and so are H4 and the current hour.
+    assert [r.partition_key for r in refreshes] == [KEYS[3], KEYS[4], current]
+    assert all(r.tags[REFRESH_TAG] == "true" for r in refreshes)
+    assert all(r.asset_selection == [dg.AssetKey(spec.name)] for r in refreshes)
+    assert all("accounting" in {k.name for k in r.asset_check_keys} for r in refreshes)
+
+    assert all(r.run_key.endswith(f":{slot}") for r in refreshes) or slot != refresh_slot(
+        spec, datetime.now(UTC)
+    )
+    again = ticks.tick()
+    # The same slot: the same run keys, so Dagster starts each refresh once.
+    if refresh_slot(spec, datetime.now(UTC)) == slot:
+        assert [r.run_key for r in again.run_requests] == [r.run_key for r in refreshes]
