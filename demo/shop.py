@@ -370,8 +370,14 @@ def demo_first_hour(seeded: set[datetime], now: datetime) -> datetime:
     return min(seeded) if seeded else now.replace(minute=0, second=0, microsecond=0)
 
 
+# The demo's tier-0 table: the offset sensor refreshes its open hour every few minutes, so a
+# newcomer sees a mirror that follows the shop within minutes, not after the hour closes.
+TIER0_TABLE, TIER0_REFRESH_MINUTES = "orders", 5
+
+
 def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
-    """cdc_assets/tables.yaml with the demo's partitions starting where its data starts."""
+    """cdc_assets/tables.yaml with the demo's partitions starting where its data starts, and
+    `TIER0_TABLE` refreshed every `TIER0_REFRESH_MINUTES` while an hour is open."""
     import yaml
 
     from cdc_assets.config import DEFAULT_TABLES_FILE
@@ -380,9 +386,12 @@ def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
     raw = yaml.safe_load(DEFAULT_TABLES_FILE.read_text())
     for table in raw["tables"]:
         table["start_hour"] = hour_key(first_hour)
+        if table["name"] == TIER0_TABLE:
+            table["refresh_minutes"] = TIER0_REFRESH_MINUTES
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
-        "# Written by demo/shop.py: cdc_assets/tables.yaml, starting at the demo's first hour.\n"
+        "# Written by demo/shop.py: cdc_assets/tables.yaml, starting at the demo's first hour,\n"
+        f"# with {TIER0_TABLE} refreshed every {TIER0_REFRESH_MINUTES} minutes (tier-0).\n"
     )
     path.write_text(header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
     return path
