@@ -18,6 +18,8 @@ by hour from the oldest hour it still watches up to now, this decides:
   the cursor. An hour closed by lateness is watched for `watch_hours` more; late data that
   arrives after that lands in the next hour to run (every hour starts where the previous
   recorded run ended), so it is read once, never lost.
+- **refreshed** (tier-0 tables, `refresh_minutes`): the open hours, from the first open one to
+  the current hour, once per slot of that many minutes (`refresh_hours`, `refresh_slot`).
 """
 
 from __future__ import annotations

@@ -2,21 +2,23 @@
 
 The log is written once: four hours of an accounts table's changes over a dozen keys, with the
 faults that make order matter (see `_log`). Hypothesis then draws schedules: one or two
-mirrors of that topic, each a list of hours, either every hour at least once in any order plus
-repeats, or any subset with repeats. Each schedule runs on a fresh lake through the fleet
-runner (`run_tables`, the path the mirrors' asset takes: the mirrors' hours interleave on the
-suite's one Spark session, two tables at a time), and each mirror is compared with the
-reference replay of the records Kafka committed in the hours it materialized at least once:
-`demo.reference` orders every key's changes by sequence, so that replay does not depend on the
-order hours run in, and I3 says the mirror must not either. Every table-hour's accounting
-check (I2) must pass too.
+mirrors of that topic, each a list of runs of its hours, either every hour at least once in any
+order plus repeats, or any subset with repeats; some runs are refreshes of an hour while it was
+still open (a tier-0 table's `refresh_minutes`), which read its records up to a moment inside it
+(`_as_of`: the Kafka offsets as they stood then), the runs after them reading on from there.
+Each schedule runs on a fresh lake through the fleet runner (`run_tables`, the path the
+mirrors' asset takes: the mirrors' hours interleave on the suite's one Spark session, two tables
+at a time), and each mirror is compared with the reference replay of the records Kafka committed
+that its runs read (`_read_by`): `demo.reference` orders every key's changes by sequence, so
+that replay does not depend on the order hours run in, and I3 says the mirror must not either.
+Every table-hour's accounting check (I2) must pass too, refreshes included.
 
 How many schedules run is the Hypothesis profile's `max_examples` (tests/conftest.py): CI
 (`CI=true`, the `ci` profile) runs 20, derandomized, so the same 20 schedules every run: 112
 table-hours, measured at 537 s and 558 s in two whole-suite runs in one process on the two-core
 machine (2026-11-26, before and after Spark's code cache was sized for a table-hour's classes:
-no gain here, unexplained). A small table-hour is about 3 s of MERGE and 3 s of the prior-rows
-count (`python -m benchmarks.small_hours`).
+no gain here, unexplained). `python -m benchmarks.small_hours` measures what a small
+table-hour costs.
 Locally the `dev` profile draws 20 new schedules each
 run and replays a failing one first (kept in `.local/hypothesis`); `--hypothesis-profile=deep`
 draws 200. With the MERGE's sequence guard removed, the `ci` run fails and shrinks to a single
@@ -29,11 +31,15 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
+from kafka import TopicPartition
 
+from cdc_assets import hour_run
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableWork, run_tables
 from checks.table_checks import MIRROR_CHECKS
@@ -103,10 +109,21 @@ def _log(seed: int) -> tuple[list[table.Change], Counter]:
     return out, faults
 
 
+# A run of an hour is either a complete run (None) or a refresh of it while it was open, which
+# read each partition's records stamped before this second of the hour (a record's stamp is its
+# place in the hour, see `_log`): the Kafka offsets as they stood then (`_as_of`).
+REFRESH_SECONDS = (10, 25)
+
+Run = tuple[int, int | None]  # (hour, refresh second or None)
+
+
 @st.composite
-def _schedules(draw: st.DrawFn) -> list[list[int]]:
-    """Each mirror's hours, run in list order: all hours plus repeats, or any subset with
-    repeats (both shrink towards fewer runs and hours in order)."""
+def _schedules(draw: st.DrawFn) -> list[list[Run]]:
+    """Each mirror's runs, in list order: all hours plus repeats, or any subset with repeats
+    (both shrink towards fewer runs and hours in order); some runs are refreshes of an open hour
+    (`REFRESH_SECONDS`). An hour's refreshes read further each time and come before its
+    complete runs, as time makes them: a refresh drawn after a later one reads as far as it, one
+    drawn after a complete run is a complete run."""
     mirrors = []
     for _ in range(draw(st.integers(1, MAX_MIRRORS))):
         if draw(st.booleans()):
@@ -115,8 +132,58 @@ def _schedules(draw: st.DrawFn) -> list[list[int]]:
                 hours.insert(draw(st.integers(0, len(hours))), repeat)
         else:
             hours = draw(st.lists(st.integers(0, HOURS - 1), min_size=1, max_size=HOURS))
-        mirrors.append(hours)
+        cuts = draw(
+            st.lists(
+                st.sampled_from((None, None, *REFRESH_SECONDS)),
+                min_size=len(hours),
+                max_size=len(hours),
+            )
+        )
+        runs, read = [], {}  # read: the furthest second each hour's runs reached (inf: all)
+        for hour, cut in zip(hours, cuts, strict=True):
+            reached = max(read.get(hour, 0), float("inf") if cut is None else cut)
+            read[hour] = reached
+            runs.append((hour, None if reached == float("inf") else int(reached)))
+        mirrors.append(runs)
     return mirrors
+
+
+def _as_of(cuts: dict[tuple[str, str], list[int | None]]):
+    """`hour_run._slice` as a refresh at second `cut` of the hour saw it: each partition's slice
+    ends at its first record stamped at or after that second, and the hour is open. `cuts` holds
+    each (table, hour key)'s runs' cuts in run order (None: the slice as it is)."""
+    original = hour_run._slice
+
+    def sliced(kafka, consumer, spec, hour_key, now, starts, starts_cover_topic):
+        full = original(kafka, consumer, spec, hour_key, now, starts, starts_cover_topic)
+        cut = cuts[(spec.name, hour_key)].pop(0)
+        if cut is None:
+            return full
+        at_ms = int((full.hour_start + timedelta(seconds=cut)).timestamp() * 1000)
+        tps = {p.partition: TopicPartition(full.topic, p.partition) for p in full.partitions}
+        found = consumer.offsets_for_times({tp: at_ms for tp in tps.values()})
+        parts = []
+        for part in full.partitions:
+            at = found[tps[part.partition]]
+            end = part.end if at is None else min(part.end, max(part.start, at.offset))
+            parts.append(replace(part, end=end, moved_past=False))
+        return replace(full, partitions=tuple(parts), closed=False, open_reason="a refresh")
+
+    return sliced
+
+
+def _read_by(records: list[tuple], runs: list[Run]) -> list[tuple]:
+    """The committed records the runs read: every record of an hour a complete run read, the
+    ones stamped before the furthest refresh's second of an hour only refreshed."""
+    reached: dict[int, float] = {}
+    for hour, cut in runs:
+        reached[hour] = max(reached.get(hour, 0), float("inf") if cut is None else cut)
+    return [
+        r
+        for r in records
+        if table.hour_of(r[4]) in reached
+        and r[4] < table.stamp(table.hour_of(r[4])) + reached[table.hour_of(r[4])] * 1000
+    ]
 
 
 def _mirror(spec: TableSpec, n: int) -> TableSpec:
@@ -143,37 +210,44 @@ def test_any_schedule_of_hours_converges_to_the_reference(
     started = time.monotonic()
 
     @given(_schedules())
-    def converges(schedule: list[list[int]]) -> None:
+    def converges(schedule: list[list[Run]]) -> None:
         nonlocal cases, table_hours
         cases += 1
-        note(f"schedule (hours per mirror, in run order): {schedule}")
+        note(f"schedule ((hour, refresh second) per mirror, in run order): {schedule}")
         lake = LakeResource(root=str(tmp_path / f"schedule{cases}"))
         mirrors = [_mirror(spec, n) for n in range(len(schedule))]
-        outcomes = run_tables(
-            checks=MIRROR_CHECKS,
-            spark=spark,
-            kafka=kafka,
-            lake=lake,
-            work=[
-                TableWork(mirror, [table.hour_key(h) for h in hours])
-                for mirror, hours in zip(mirrors, schedule, strict=True)
-            ],
-            parallelism=2,
-        )
-        for mirror, hours, outcome in zip(mirrors, schedule, outcomes, strict=True):
+        cuts: dict[tuple[str, str], list[int | None]] = {}
+        for mirror, runs in zip(mirrors, schedule, strict=True):
+            for hour, cut in runs:
+                cuts.setdefault((mirror.name, table.hour_key(hour)), []).append(cut)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(hour_run, "_slice", _as_of(cuts))
+            outcomes = run_tables(
+                checks=MIRROR_CHECKS,
+                spark=spark,
+                kafka=kafka,
+                lake=lake,
+                work=[
+                    TableWork(mirror, [table.hour_key(h) for h, _ in runs])
+                    for mirror, runs in zip(mirrors, schedule, strict=True)
+                ],
+                parallelism=2,
+                force_open_hour=True,  # the refreshes; a closed hour's run is complete anyway
+            )
+        for mirror, runs, outcome in zip(mirrors, schedule, outcomes, strict=True):
             if outcome.error is not None:
                 raise outcome.error
             table_hours += len(outcome.hours)
             for run in outcome.hours:
                 accounting = [c for c in run.checks if c.check_name == "accounting"]
                 assert [c.passed for c in accounting] == [True], (mirror.name, run.result)
-            ref = table.reference_of(spec, committed, hours=set(hours))
+            ref = table.reference_of(spec, _read_by(committed, runs))
             comparison = compare(
                 spark, lake.table_path(mirror.name), spec, ref.expected, ref.seen_keys
             )
             for name in FIGURES:
                 setattr(total, name, getattr(total, name) + getattr(comparison, name))
-            assert comparison.clean, (mirror.name, hours, comparison)
+            assert comparison.clean, (mirror.name, runs, comparison)
 
     try:
         converges()
