@@ -27,6 +27,7 @@ import pytest
 
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableWork, run_tables
+from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
 from devtools import kafka_connect
 from resources.lake import LakeResource
@@ -285,14 +286,34 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
         work.insert(7)  # a key deleted and created again
         work.insert(21)
 
+        # A tier-0 mirror of the default capture (refresh_minutes): hour 2 refreshed while it
+        # is still open and judged against the source as it stands now; completed below.
+        declared = {**COLUMNS, "note": "string", "grade": "string"}
+        lake = LakeResource(root=str(tmp_path / "lake"))
+        tier0 = _spec(defaults.topic(TABLE), schemas=True)
+        tier0 = tier0.model_copy(update={"name": f"{TABLE}_tier0", "refresh_minutes": 15})
+        tier0_judged = tier0.model_copy(update={"columns": declared})
+        defaults.settle()
+        (early,) = run_tables(
+            checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake,
+            work=[TableWork(tier0, KEYS[:2])], parallelism=1,
+        )  # fmt: skip
+        assert early.error is None, (early.failed_hour, early.error)
+        refresh = run_hour(
+            checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=tier0,
+            hour_key=KEYS[2], now=HOURS[2] + timedelta(minutes=30), force_open_hour=True,
+        )  # fmt: skip
+        assert refresh.partial and refresh.counts.applied > 0
+        assert mirror_live_rows(spark, lake.table_path(tier0.name), tier0_judged) == (
+            source_rows(connection, TABLE, tier0_judged)
+        )
+
         _settle_and_move_clock(captures, sources, HOURS[3])
         for key in (1, 8, 9, 105):
             work.update(key, "balance", "at_ts", "at_ts3", "at_time3", "dur", "ratio")
         work.move(8, 108)
         for capture in captures:
             capture.settle()
-
-        declared = {**COLUMNS, "note": "string", "grade": "string"}
 
         orders = [
             [0, 1, 2, 3],
@@ -301,7 +322,6 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
         ]
         # Each capture's hours in each order: a mirror of its own (named after the order) in
         # one lake, run as a fleet run runs its tables, two at a time (cdc_assets/fleet.py).
-        lake = LakeResource(root=str(tmp_path / "lake"))
         work, mirrors = [], {}
         for capture in captures:
             for late in (False, True):
@@ -317,9 +337,19 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                     hours = [KEYS[h] for h in order]
                     work.append(TableWork(spec.model_copy(update={"name": name}), hours))
                     mirrors[name] = (capture, order, judged, expected)
+        # The tier-0 mirror's hours 2 (after its refresh, reading on from it) and 3.
+        work.append(TableWork(tier0, KEYS[2:]))
+        mirrors[tier0.name] = (
+            defaults,
+            [2, 3],
+            tier0_judged,
+            source_rows(connection, TABLE, tier0_judged),
+        )
         runs = run_tables(
             checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, work=work, parallelism=2
         )
+        (completed,) = [r for r in runs if r.spec.name == tier0.name]
+        assert completed.hours[0].result.refreshed_to is not None  # it read on from the refresh
         # Declared once the source has them, as README says: hours 0-1 ran without the
         # columns, 2-3 with them; the rows from before take grade's default.
         capture = captures[0]
