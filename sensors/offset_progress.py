@@ -303,6 +303,22 @@ def _materialized_with_slice(
         materialization = record.asset_materialization
         if materialization.partition in latest:
             continue
-        offsets = materialization.metadata.get("kafka_offsets")
-        latest[materialization.partition] = offsets.value if offsets else {}
+        latest[materialization.partition] = completed_hour_offsets(materialization.metadata)
     return {key for key, offsets in latest.items() if offsets == wanted[key].offsets}
+
+
+def completed_hour_offsets(metadata: Mapping[str, dg.MetadataValue]) -> dict:
+    """The hour's slice a materialization completed, as `HourState.offsets` writes it: {} for a
+    partial one (a refresh, or a forced open hour), which the hour's run after it completes.
+    A run after a refresh read from the refresh's end; its hour began at `hour_start_offsets`."""
+    partial = metadata.get("partial_hour")
+    offsets = metadata.get("kafka_offsets")
+    if offsets is None or (partial is not None and partial.value):
+        return {}
+    starts = metadata.get("hour_start_offsets")
+    if starts is None:
+        return offsets.value
+    return {
+        p: {"start": starts.value[p], "end": o["end"], "records": o["end"] - starts.value[p]}
+        for p, o in offsets.value.items()
+    }

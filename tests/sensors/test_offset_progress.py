@@ -19,7 +19,12 @@ from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import compute_slice
 from resources.kafka import KafkaResource
 from sensors.cursor import FleetCursor
-from sensors.offset_progress import RANGE_END_TAG, RANGE_START_TAG, build_offset_sensor
+from sensors.offset_progress import (
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    build_offset_sensor,
+    completed_hour_offsets,
+)
 from sensors.planning import refresh_slot
 from sensors.topic_reads import KafkaUnavailableError
 from tests.conftest import _free_port
@@ -295,3 +300,26 @@ def test_a_tier0_table_gets_a_refresh_of_its_open_hours_once_per_slot(
     # The same slot: the same run keys, so Dagster starts each refresh once.
     if refresh_slot(spec, datetime.now(UTC)) == slot:
         assert [r.run_key for r in again.run_requests] == [r.run_key for r in refreshes]
+
+
+def test_a_partial_materialization_does_not_complete_its_hour_and_a_run_after_a_refresh_does():
+    """What the sensor takes as an hour already materialized with its slice: not a refresh (it
+    would leave the hour partial if the hour closed with no record after it), and a run after a
+    refresh by the hour's start, not the refresh's end it read from."""
+    offsets = {"0": {"start": 5, "end": 9, "records": 4}}
+    partial = {
+        "kafka_offsets": dg.MetadataValue.json(offsets),
+        "partial_hour": dg.MetadataValue.bool(True),
+    }
+    assert completed_hour_offsets(partial) == {}
+    after = {
+        "kafka_offsets": dg.MetadataValue.json(offsets),
+        "partial_hour": dg.MetadataValue.bool(False),
+        "hour_start_offsets": dg.MetadataValue.json({"0": 2}),
+    }
+    assert completed_hour_offsets(after) == {"0": {"start": 2, "end": 9, "records": 7}}
+    whole = {
+        "kafka_offsets": dg.MetadataValue.json(offsets),
+        "partial_hour": dg.MetadataValue.bool(False),
+    }
+    assert completed_hour_offsets(whole) == offsets
