@@ -393,7 +393,9 @@ def _merge_once(
         target = F.col(f"t.`{key}`")
         on = on & (target >= F.lit(low)) & (target <= F.lit(high))
     _, fill = toast.merge_sets(spec)
-    prior = prior_rows(spark, spec, path, latest, bounds, fill)
+    # Delta's size of the mirror (None: not known). An empty one holds no row to count.
+    size = ledger.size_bytes() if ledger is not None else None
+    prior = prior_rows(spark, spec, path, latest, bounds, fill, empty=size == 0)
     merge = table.alias("t").merge(source.alias("s"), on)
     stored = {f.name.lower() for f in table.toDF().schema}
     if any(c.lower() not in stored for c in source.columns):
@@ -409,7 +411,6 @@ def _merge_once(
     )
     # A session setting: a fleet's thread running another table's MERGE at the same moment
     # may take this one's choice. Either choice writes the same rows; only the cost differs.
-    size = ledger.size_bytes() if ledger is not None else None
     spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
     with commit_metadata(spark, run_metadata):
         metrics = merge.execute().first()
@@ -452,10 +453,14 @@ def prior_rows(
     latest: DataFrame,
     key_range: Mapping[str, tuple],
     fill: Column,
+    *,
+    empty: bool = False,
 ) -> PriorRows:
     """The mirror's rows under the hour's keys, as the MERGE is about to find them, counted
     against the hour's changes in one Spark job: the key, deleted flag and sequence of the
     rows in the key range (and the toasted-value rule's columns), joined with the batch.
+    `empty`: the mirror holds no data file (Delta's size is 0), so no key has a row and the
+    job reads the batch alone.
 
     What the MERGE will do to each key follows from the CDC rule (`_merge_once`): a change is
     applied when its key has no row or its sequence is newer than the row's; a stale change
@@ -467,6 +472,22 @@ def prior_rows(
         if not spec.toasted_columns
         else [toast.MOVED_AT, *map(value_sequence, spec.toasted_columns)]
     )
+    # What the rule reads of the hour's change: its deleted flag and sequence (and the toasted
+    # rule's columns), not the whole row.
+    read = [DELETED, SEQUENCE, *(c for c in toast.mirror_columns(spec) if c in latest.columns)]
+    source = latest.select(*keys, F.struct(*read).alias("s"))
+    if empty and all(c in latest.columns for c in toasted):
+        # Every key without a row: the newest row's columns the rule reads, all null.
+        nothing = F.struct(
+            *[F.lit(None).cast(latest.schema[c].dataType).alias(c) for c in [SEQUENCE, *toasted]]
+        )
+        joined = source.select(
+            "*",
+            F.lit(None).cast("long").alias("_rows"),
+            F.lit(None).cast("long").alias("_live"),
+            nothing.alias("t"),
+        )
+        return _counted(spec, joined, fill)
     target = spark.read.format("delta").load(path)
     for key, (low, high) in key_range.items():
         target = target.where(F.col(key).between(F.lit(low), F.lit(high)))
@@ -479,11 +500,12 @@ def prior_rows(
         # The newest row of the key (there is one, unless the mirror holds a duplicate).
         F.max_by(F.struct(SEQUENCE, *toasted), F.col(SEQUENCE)).alias("t"),
     )
-    # What the rule reads of the hour's change: its deleted flag and sequence (and the toasted
-    # rule's columns), not the whole row.
-    read = [DELETED, SEQUENCE, *(c for c in toast.mirror_columns(spec) if c in latest.columns)]
-    source = latest.select(*keys, F.struct(*read).alias("s"))
-    joined = source.join(per_key, on=keys, how="left")
+    return _counted(spec, source.join(per_key, on=keys, how="left"), fill)
+
+
+def _counted(spec: TableSpec, joined: DataFrame, fill: Column) -> PriorRows:
+    """`prior_rows`' counts over each change `s` of the batch beside what the mirror holds for
+    its key (`_rows`, `_live`: null for none; `t`: the key's newest row)."""
     effects = rule.live_effects(
         spec,
         exists=F.col("_rows").isNotNull(),
