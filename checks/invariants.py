@@ -106,7 +106,8 @@ def complete_hour_result(result: HourResult, policy: CheckPolicy) -> dg.AssetChe
     if result.partial:
         problems.append(
             f"hour {result.hour_key} was read while still open ({result.slice.open_reason}); "
-            "the result is partial. Run the hour again after it closes to complete it."
+            "the result is partial. Run the hour again after it closes to complete it (a "
+            "tier-0 table's offset sensor does, reading on from this run's end)."
         )
     return _verdict(
         COMPLETE_HOUR,

@@ -135,10 +135,14 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     assert not forced.success
 
     # The offset sensor's refresh of a tier-0 table: the run's tag forces the open hour, and
-    # the refresh reads only what arrived since the forced run.
+    # the refresh reads only what arrived since the forced run. The partial hour still fails
+    # complete_hour, as a warning: the run succeeds, downstream automation waits.
     send(topic, b'{"id":2}', _change("c", 2, 11), _ms(now) + 1)
+    tier0 = build_table_asset(
+        checks=MIRROR_CHECKS, spec=spec.model_copy(update={"refresh_minutes": 15})
+    )
     refreshed = dg.materialize(
-        [asset],
+        [tier0],
         partition_key=key,
         resources=resources,
         tags={REFRESH_TAG: "true"},
@@ -148,6 +152,9 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     assert metadata["partial_hour"].value is True and metadata["consumed"].value == 1
     assert metadata["hour_start_offsets"].value == {"0": 0}
     assert metadata["freshness_seconds"].value >= 0
+    complete = {c.check_name: c for c in refreshed.get_asset_check_evaluations()}["complete_hour"]
+    assert not complete.passed and complete.severity == dg.AssetCheckSeverity.WARN
+    assert refreshed.success
 
 
 def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
