@@ -229,9 +229,9 @@ def refreshed_to(
     history: list[dict], hour_key: str, hour_starts: Mapping[int, int]
 ) -> dict[int, int]:
     """Where the hour's newest run read each partition up to, when that run was a refresh (a
-    partial run) that began the hour where this run does: the next run of the hour reads on
-    from there (`slicing.remainder`). Empty otherwise: the run reads the whole hour, which the
-    newer-wins rule makes a replay."""
+    partial run) that began the hour where this run does: the next refresh of the hour reads
+    on from there (`slicing.remainder`). Empty otherwise: the run reads the whole hour, which
+    the newer-wins rule makes a replay of what was applied."""
     for commit in history:  # newest first
         if commit.get("hour") != hour_key:
             continue

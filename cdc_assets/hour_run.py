@@ -148,15 +148,17 @@ def plan(
 ) -> HourPlan:
     """The hour's slice: where each partition's hour begins by the runs on record, where it
     ends by Kafka's offsets for the hour's end (looked up with `consumer`, read committed);
-    refused while open (I5) or lost (I6). After a refresh of the hour (a partial run, forced
-    or the sensor's `refresh_minutes`), the run reads only what follows the refresh's end."""
+    refused while open (I5) or lost (I6). A refresh of an open hour (a partial run, forced or
+    the sensor's `refresh_minutes`) after another reads only what followed the other's end;
+    the run after the hour closes reads it whole, so that its checks judge the whole hour (a
+    check of the last part alone would replace an earlier part's failure in Dagster)."""
     previous_end = recorded_offsets(ctx.history, previous_key(ctx.hour_key), "end", complete=True)
     starts = known_starts(ctx.history, ctx.hour_key, previous_end)
     hour_slice = _slice(
         ctx.kafka, consumer, ctx.spec, ctx.hour_key, now, starts, previous_end is not None
     )
     hour_starts = hour_slice.start_offsets()
-    read_to = refreshed_to(ctx.history, ctx.hour_key, hour_starts)
+    read_to = {} if hour_slice.closed else refreshed_to(ctx.history, ctx.hour_key, hour_starts)
     if read_to:
         hour_slice = remainder(hour_slice, read_to)
     _refuse_open_or_lost(ctx.spec, ctx.hour_key, hour_slice, force_open_hour)

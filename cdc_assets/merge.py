@@ -409,8 +409,8 @@ def _merge_once(
         ingested_at=ingested_at,
         truncate_before=truncate_before,
     )
-    # A session setting: a fleet's thread running another table's MERGE at the same moment
-    # may take this one's choice. Either choice writes the same rows; only the cost differs.
+    # A setting of the session (the fleet gives each table's thread a session of its own).
+    # Either choice writes the same rows; only the cost differs.
     spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
     with commit_metadata(spark, run_metadata):
         metrics = merge.execute().first()

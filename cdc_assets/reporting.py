@@ -212,4 +212,9 @@ def hour_summary(spec: TableSpec, result: HourResult) -> str:
 
 
 def partial_warning(spec: TableSpec, result: HourResult) -> str:
+    if spec.refresh_minutes:
+        return (
+            f"{spec.name} {result.hour_key} refreshed while open: the result is partial until "
+            "the run after the hour closes."
+        )
     return f"{spec.name} {result.hour_key} was forced while open: the result is partial."

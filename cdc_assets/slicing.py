@@ -135,13 +135,19 @@ def open_transactions(
     stable_ends: Mapping[TopicPartition, int],
     *,
     timeout_ms: int | None = None,
+    committed: KafkaConsumer | None = None,
 ) -> set[TopicPartition]:
     """Partitions whose last stable offset (read_committed end) lies below the high watermark.
 
     `consumer` must read uncommitted, so that its end offsets are the high watermarks.
     `timeout_ms`: how long the lookup may take (default: the consumer's request timeout).
+    `committed` (a read_committed consumer): the stable ends are read again after the high
+    watermarks, so a record written between the two look-ups is not taken for a transaction
+    (without an open transaction the stable end reaches the high watermark at once).
     """
     high_watermarks = consumer.end_offsets(list(stable_ends), timeout_ms=timeout_ms)
+    if committed is not None:
+        stable_ends = committed.end_offsets(list(stable_ends))
     return {tp for tp, stable in stable_ends.items() if high_watermarks[tp] > stable}
 
 
@@ -187,7 +193,9 @@ def compute_slice(
     waiting = [tp for tp in tps if offsets.at_end[tp] is None]
     # Only a partition still waiting for the hour's end can be held open by a transaction.
     pending = (
-        open_transactions(uncommitted, {tp: offsets.stable_ends[tp] for tp in waiting})
+        open_transactions(
+            uncommitted, {tp: offsets.stable_ends[tp] for tp in waiting}, committed=consumer
+        )
         if waiting and uncommitted is not None
         else set()
     )

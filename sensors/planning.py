@@ -87,8 +87,8 @@ class TickPlan:
     refresh: list[str] = field(default_factory=list)
 
 
-# At most this many open hours are refreshed per tick: the one lateness still holds open, the
-# current one, and one more for a clock that crossed an hour between the read and the plan.
+# At most this many open hours are refreshed per tick, the newest ones: the current hour, the
+# one lateness still holds open, and one more for a clock that crossed an hour meanwhile.
 _MOST_OPEN_HOURS = 3
 
 
@@ -96,15 +96,17 @@ def refresh_hours(
     spec: TableSpec, closed: list[HourState], *, now: datetime, watch_from: datetime
 ) -> list[str]:
     """A tier-0 table's open hours (`refresh_minutes` set): from the first open one to the
-    current hour. Each is refreshed once per slot (`refresh_slot`); other tables get none."""
+    current hour, the newest `_MOST_OPEN_HOURS` of them (a long lateness can hold older hours
+    open, and the freshest changes are in the current one). Each is refreshed once per slot
+    (`refresh_slot`); other tables get none."""
     if not spec.refresh_minutes:
         return []
     moment = hour_start(closed[-1].key) + HOUR if closed else watch_from
     keys = []
-    while moment <= now and len(keys) < _MOST_OPEN_HOURS:
+    while moment <= now:
         keys.append(hour_key(moment))
         moment += HOUR
-    return keys
+    return keys[-_MOST_OPEN_HOURS:]
 
 
 def refresh_slot(spec: TableSpec, now: datetime) -> str:

@@ -94,9 +94,10 @@ def test_an_open_hour_is_refused_until_forced(run, create_topic, send, kafka, sp
     send(topic, b'{"id":5}', _change("c", 5, 14), _ms(HOUR) + 3_602_000, partition=0)
     completed = run(spec, lake, now=hour_end + timedelta(minutes=5))
     assert not completed.partial and completed.slice.closed
-    # It reads on from where the forced run ended: only the late record.
-    assert completed.counts.consumed == 1 and completed.counts.applied == 1
-    assert completed.hour_start_offsets() == {0: 0, 1: 0}
+    # The closed hour is read whole, so its checks judge all of it: the late record applies,
+    # the two the forced run applied are stale.
+    assert completed.counts.consumed == 3 and completed.refreshed_to is None
+    assert completed.counts.applied == 1 and completed.counts.stale == 2
     assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (4,)]
 
 
@@ -597,8 +598,10 @@ def test_refreshes_read_only_what_is_new_and_the_final_run_completes_the_hour(
     """An open hour refreshed three times while changes keep arriving (forced, as the sensor's
     `refresh_minutes` does), one refresh crashing before its MERGE and one after its commit,
     then closed: after every run the mirror equals the replay of the records up to that run's
-    end; each run reads from where the previous one ended; the runs' counts add up to the
-    hour's records; and the hour's recorded slice still starts where the hour does."""
+    end; each refresh reads from where the previous one ended and the refreshes' counts add
+    up to the records they read; the run after the hour closed reads it whole (its checks
+    judge the whole hour), applying only what the refreshes had not; and the hour's recorded
+    slice still starts where the hour does."""
     from cdc_assets import hour_run
 
     topic = create_topic("refreshes", partitions=2)
@@ -656,18 +659,24 @@ def test_refreshes_read_only_what_is_new_and_the_final_run_completes_the_hour(
     assert [r.partial for r in runs] == [True, True, True, False]
     for result in runs:
         assert result.hour_start_offsets() == {0: 0, 1: 0}
-    # Every record of the hour was read exactly once across the runs that counted it, the
-    # crashed-after-commit one included (its commit recorded its counts).
+    # The refreshes read each record once, the crashed-after-commit one included (its commit
+    # recorded its counts); the closed hour's run read all of them and applied the rest.
     _, history = hour_history(spark, path)
     recorded = [c for c in history if c["hour"] == KEY and not c.get("moved_rows")]
-    assert sum(c["consumed"] for c in recorded) == len(sent)
+    refreshed = sum(c["consumed"] for c in recorded if c["partial"])
+    assert final.counts.consumed == len(sent) and final.refreshed_to is None
+    assert final.counts.applied + final.counts.stale + final.counts.superseded == len(sent)
+    last_refresh = runs[2].slice.end_offsets()
+    assert refreshed == sum(1 for p, o in sent if o < last_refresh[p])
     assert all(
         offsets["start"] == 0 for c in recorded for offsets in c["slice"]["partitions"].values()
     )
-    # Oldest first: each run read on from where the run before it ended, none from the start.
+    # Oldest first: each refresh read on from where the one before it ended; the final run
+    # from the hour's start.
     recorded.reverse()
     assert len(recorded) == 5 and "read_from" not in recorded[0]
-    for earlier, later in zip(recorded, recorded[1:], strict=False):
+    assert "read_from" not in recorded[-1] and not recorded[-1]["partial"]
+    for earlier, later in zip(recorded, recorded[1:-1], strict=False):
         ends = {p: o["end"] for p, o in earlier["slice"]["partitions"].items()}
         assert later["read_from"] == ends
     assert not final.partial and final.slice.closed

@@ -224,7 +224,7 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, tmp_pa
 
 
 # Per-run values: when the run finished, and where its lake is.
-_PER_RUN = {"lag_seconds", "newest_source_ts", "delta_path"}
+_PER_RUN = {"lag_seconds", "newest_source_ts", "delta_path", "freshness_seconds"}
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,7 @@ IN_PROCESS_METADATA = {
     "partial_hour",
     "lag_seconds",
     "newest_source_ts",
+    "freshness_seconds",
 }
 
 
