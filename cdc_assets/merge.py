@@ -67,6 +67,8 @@ class PriorRows:
     inserted: int
     updated: int
     deleted: int
+    # Changes the MERGE will write (applied, or filling a TOASTed value); 0: every one is stale.
+    writes: int = 0
 
 
 NO_PRIOR_ROWS = PriorRows(0, 0, 0, 0, 0, 0, 0)
@@ -398,7 +400,8 @@ def _merge_once(
     prior = prior_rows(spark, spec, path, latest, bounds, fill, empty=size == 0)
     merge = table.alias("t").merge(source.alias("s"), on)
     stored = {f.name.lower() for f in table.toDF().schema}
-    if any(c.lower() not in stored for c in source.columns):
+    evolving = any(c.lower() not in stored for c in source.columns)
+    if evolving:
         # A column the source gained (new_columns: add): the MERGE adds it to the mirror.
         # Asked for only then: schema evolution costs every MERGE an analysis of its own.
         merge = merge.withSchemaEvolution()
@@ -413,8 +416,11 @@ def _merge_once(
     # Either choice writes the same rows; only the cost differs.
     spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
     with commit_metadata(spark, run_metadata):
-        metrics = merge.execute().first()
-        if not metrics["num_affected_rows"]:
+        # Every change stale (a replay) and no column to add: no MERGE, which without deletion
+        # vectors would rewrite the files its keys are in to change nothing.
+        stale = prior.writes == 0 and truncate_before is None and not evolving
+        metrics = None if stale else merge.execute().first()
+        if stale or not metrics["num_affected_rows"]:
             # Every change was stale (or there was none): Delta committed nothing.
             # A metadata-only commit, so that this run's slice is on record too.
             ledger_commit(spark, path)
@@ -524,6 +530,7 @@ def _counted(spec: TableSpec, joined: DataFrame, fill: Column) -> PriorRows:
         total(effects["inserted"], "inserted"),
         total(effects["updated"], "updated"),
         total(effects["deleted"], "deleted"),
+        total(effects["writes"], "writes"),
     ).first()
     return PriorRows(**{name: int(counted[name] or 0) for name in counted.asDict()})
 

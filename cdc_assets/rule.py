@@ -144,6 +144,8 @@ def live_effects(
         "updated": (applied & ~deleting & live) | (filling & live),
         "deleted": deletes,
         "adds_row": adds_row,
+        # Whether the MERGE writes anything for the change (applies it, or fills a value).
+        "writes": applied | filling,
     }
 
 
