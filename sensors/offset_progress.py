@@ -310,15 +310,9 @@ def _materialized_with_slice(
 def completed_hour_offsets(metadata: Mapping[str, dg.MetadataValue]) -> dict:
     """The hour's slice a materialization completed, as `HourState.offsets` writes it: {} for a
     partial one (a refresh, or a forced open hour), which the hour's run after it completes.
-    A run after a refresh read from the refresh's end; its hour began at `hour_start_offsets`."""
+    (A complete run reads its hour whole, so its `kafka_offsets` are the hour's slice.)"""
     partial = metadata.get("partial_hour")
     offsets = metadata.get("kafka_offsets")
     if offsets is None or (partial is not None and partial.value):
         return {}
-    starts = metadata.get("hour_start_offsets")
-    if starts is None:
-        return offsets.value
-    return {
-        p: {"start": starts.value[p], "end": o["end"], "records": o["end"] - starts.value[p]}
-        for p, o in offsets.value.items()
-    }
+    return offsets.value

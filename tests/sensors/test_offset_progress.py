@@ -302,22 +302,15 @@ def test_a_tier0_table_gets_a_refresh_of_its_open_hours_once_per_slot(
         assert [r.run_key for r in again.run_requests] == [r.run_key for r in refreshes]
 
 
-def test_a_partial_materialization_does_not_complete_its_hour_and_a_run_after_a_refresh_does():
+def test_a_partial_materialization_does_not_complete_its_hour():
     """What the sensor takes as an hour already materialized with its slice: not a refresh (it
-    would leave the hour partial if the hour closed with no record after it), and a run after a
-    refresh by the hour's start, not the refresh's end it read from."""
+    would leave the hour partial if the hour closed with no record after it)."""
     offsets = {"0": {"start": 5, "end": 9, "records": 4}}
     partial = {
         "kafka_offsets": dg.MetadataValue.json(offsets),
         "partial_hour": dg.MetadataValue.bool(True),
     }
     assert completed_hour_offsets(partial) == {}
-    after = {
-        "kafka_offsets": dg.MetadataValue.json(offsets),
-        "partial_hour": dg.MetadataValue.bool(False),
-        "hour_start_offsets": dg.MetadataValue.json({"0": 2}),
-    }
-    assert completed_hour_offsets(after) == {"0": {"start": 2, "end": 9, "records": 7}}
     whole = {
         "kafka_offsets": dg.MetadataValue.json(offsets),
         "partial_hour": dg.MetadataValue.bool(False),
