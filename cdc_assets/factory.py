@@ -22,7 +22,7 @@ from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
-from cdc_assets.partitions import REFRESH_TAG, hourly_partitions, mirrors_pool
+from cdc_assets.partitions import REFRESH_TAG, TIER0_POOL, hourly_partitions, mirrors_pool
 from cdc_assets.reporting import (
     HourReport,
     hour_summary,
@@ -117,31 +117,34 @@ def build_mirror_assets(
     specs: Sequence[TableSpec], *, checks: MirrorChecks, runner: MirrorRunner | None = None
 ) -> list[dg.AssetsDefinition]:
     """The mirrors of `specs`: one multi-asset per set of tables whose hourly partitions start
-    at the same hour, each table still its own asset (partitions, checks, metadata). Each hour
-    of a table is audited, validated and checked by `checks` (`checks.table_checks`).
+    at the same hour and which share a pool (hourly or tier-0, `mirrors_pool`), each table
+    still its own asset (partitions, checks, metadata). Each hour of a table is audited,
+    validated and checked by `checks` (`checks.table_checks`).
 
     A run materializes any subset of its tables over one hour or a range, by `runner` (in this
     process by default: the tables in parallel on the run's Spark session, `cdc_assets.fleet`);
     each table-hour is its own materialization, check results and Delta commit.
     """
-    groups: dict[str, list[TableSpec]] = {}
+    groups: dict[tuple[str, str], list[TableSpec]] = {}
     for spec in specs:
-        groups.setdefault(spec.start_hour, []).append(spec)
+        groups.setdefault((spec.start_hour, mirrors_pool(spec)), []).append(spec)
+    starts = len({start for start, _ in groups})
     return [
         _mirrors_asset(
-            group, name=_op_name(group, len(groups)), checks=checks, runner=runner or IN_PROCESS
+            group, name=_op_name(group, starts), checks=checks, runner=runner or IN_PROCESS
         )
         for group in groups.values()
     ]
 
 
-def _op_name(group: list[TableSpec], groups: int) -> str:
+def _op_name(group: list[TableSpec], starts: int) -> str:
     """A table alone is named after itself; a set of tables `mirrors` (with their first hour
-    when there are several sets)."""
+    when the sets start at several hours, and `_tier0` for tier-0 tables)."""
     if len(group) == 1:
         return group[0].name
     start = group[0].start_hour
-    return f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if groups > 1 else "mirrors"
+    name = f"mirrors_{start[:10].replace('-', '')}_{start[11:13]}" if starts > 1 else "mirrors"
+    return name + ("_tier0" if mirrors_pool(group[0]) == TIER0_POOL else "")
 
 
 def build_table_asset(*, spec: TableSpec, checks: MirrorChecks) -> dg.AssetsDefinition:
@@ -202,9 +205,9 @@ def _mirrors_asset(
             check_specs=[check for checks in checks_of.values() for check in checks],
             can_subset=True,
             partitions_def=partitions_def,
-            # One writer per table: every run that writes mirrors, and their maintenance,
-            # holds this pool (limit 1).
-            pool=mirrors_pool(),
+            # One writer per table: every run that writes these mirrors, and their
+            # maintenance, holds this pool (limit 1).
+            pool=mirrors_pool(specs[0]),
             # A backfill runs as few runs as possible, each over a bounded range of hours.
             backfill_policy=dg.BackfillPolicy.multi_run(
                 max_partitions_per_run=min(spec.hours_per_run for spec in specs)

@@ -297,7 +297,7 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
             f"the `{MAINTENANCE_SCHEDULE}` schedule once it is turned on."
         ),
         deps=[dg.AssetKey(spec.name)],
-        pool=mirrors_pool(),
+        pool=mirrors_pool(spec),
         kinds={"spark", "delta"},
         metadata={"table": spec.name, "zorder_by": keys, "error_table": spec.error_table_name},
     )

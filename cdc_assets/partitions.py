@@ -2,9 +2,11 @@
 assets share, so none of them reaches into the asset factory for it.
 
 Each table is partitioned by UTC hour from its `start_hour`. The runs that write mirrors (in
-this process or through Pipes) and their maintenance hold one pool (`cdc_mirrors`, limit 1 in
-the instance): one writer per table, since each table's hours and its maintenance run only in
-runs holding it.
+this process or through Pipes) and their maintenance hold their tables' pool (limit 1 in the
+instance): one writer per table, since each table's hours and its maintenance run only in runs
+holding it. Hourly tables share `cdc_mirrors`; tier-0 tables (`refresh_minutes`) share
+`cdc_mirrors_tier0`, so their refreshes and final runs never queue behind the hourly tables'
+runs (each table is in exactly one pool, so it still has one writer).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dagster as dg
 from cdc_assets.config import TableSpec
 
 MIRRORS_POOL = "cdc_mirrors"
+TIER0_POOL = "cdc_mirrors_tier0"
 
 # The tag of a run the offset sensor launches to refresh an open hour of tier-0 tables
 # (`refresh_minutes`): the run slices the open hour as `force_open_hour` does, and its results
@@ -27,7 +30,8 @@ def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:
     return dg.HourlyPartitionsDefinition(start_date=spec.start_hour, timezone="UTC", end_offset=1)
 
 
-def mirrors_pool() -> str:
-    """The pool of every run that writes mirrors (limit 1): one writer per table, since each
-    table's hours, and its maintenance, run only in runs holding this pool."""
-    return MIRRORS_POOL
+def mirrors_pool(spec: TableSpec) -> str:
+    """The pool of every run that writes `spec`'s mirror (limit 1): one writer per table, since
+    each table's hours, and its maintenance, run only in runs holding this pool. Tier-0 tables
+    have a pool of their own, so a refresh waits at most for another tier-0 run."""
+    return TIER0_POOL if spec.refresh_minutes else MIRRORS_POOL

@@ -125,10 +125,11 @@ export CDC_TABLES_FILE=$demo_dir/tables.yaml
 
 mkdir -p "$DAGSTER_HOME"
 [ -f "$DAGSTER_HOME/dagster.yaml" ] || cp deploy/local/dagster.yaml "$DAGSTER_HOME/dagster.yaml"
-# The mirrors' pool exists before the first run is queued: Dagster 1.13 creates a pool at its
+# The mirrors' pools exist before the first run is queued: Dagster 1.13 creates a pool at its
 # default limit when it first sees it queued, and does not apply that limit in the same pass, so
 # the first tick's runs would all start at once (docs/deploy.md, one writer per table).
 .venv/bin/dagster instance concurrency set cdc_mirrors 1 >/dev/null
+.venv/bin/dagster instance concurrency set cdc_mirrors_tier0 1 >/dev/null
 echo
 echo "  Dagster UI:  http://127.0.0.1:$port   (assets: customers, orders, order_items)"
 echo "  Source:      Postgres on 127.0.0.1:15433 (database shop), Debezium in Kafka Connect"

@@ -14,7 +14,9 @@ A Kafka that does not answer fails the tick within `kafka_timeout_seconds`, nami
 the bootstrap servers; the cursor stays where it was, so the next tick starts over.
 
 Tier-0 tables (`refresh_minutes`) also get a refresh of their open hours once per slot of that
-many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`.
+many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`. Their
+runs (refreshes and final runs) are requested apart from the hourly tables' runs: they hold
+the tier-0 pool (`cdc_assets.partitions`) and go first in the run queue.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dagster as dg
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hours import hour_start
-from cdc_assets.partitions import REFRESH_TAG
+from cdc_assets.partitions import REFRESH_TAG, TIER0_POOL, mirrors_pool
 from cdc_assets.slicing import SliceError
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
@@ -37,10 +39,11 @@ from sensors.planning import HourRange, HourState, TickPlan, plan_tick, refresh_
 from sensors.topic_reads import TopicProgress, Watch, read_fleet_progress_within
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
+PRIORITY_TAG = "dagster/priority"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 
-# The tables requested together, by the span of hours (partition keys) they run.
-Together = dict[tuple[str, ...], list[tuple[TableSpec, HourRange]]]
+# The tables requested together, by their pool and the span of hours (partition keys) they run.
+Together = dict[tuple[str, tuple[str, ...]], list[tuple[TableSpec, HourRange]]]
 # The tier-0 tables to refresh, by open hour and `refresh_minutes` slot.
 Refreshes = dict[tuple[str, str], list[TableSpec]]
 
@@ -108,7 +111,9 @@ def _tick(
     together, waiting, events, refreshes = _plan_tables(
         context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
     )
-    requests = [_run_request(span, tables) for span, tables in sorted(together.items())]
+    requests = [
+        _run_request(span, tables) for (_, span), tables in sorted(together.items())
+    ]
     requests += [_refresh_request(*due, tables) for due, tables in sorted(refreshes.items())]
     _log_requests(context, together)
     for (hour, slot), tables in sorted(refreshes.items()):
@@ -159,7 +164,8 @@ def _plan_tables(
 ) -> tuple[Together, list[str], list[dg.AssetObservation], Refreshes]:
     """Plans each table's hours, table by table, and updates its cursor and lag in `cursor`.
 
-    Returns the tables to request per span of hours, why the others wait, the lag
+    Returns the tables to request per pool and span of hours (a run holds one pool, so a
+    tier-0 table's hour never waits for an hourly table's run), why the others wait, the lag
     observations due, and the tier-0 tables to refresh per open hour and slot.
     """
     by_name = {spec.name: spec for spec in specs}
@@ -179,7 +185,7 @@ def _plan_tables(
             cursor.tables[spec.name] = plan.cursor
             for hours in plan.ranges:
                 span = tuple(h.key for h in hours.hours)
-                together.setdefault(span, []).append((spec, hours))
+                together.setdefault((mirrors_pool(spec), span), []).append((spec, hours))
             if not plan.ranges and plan.waiting:
                 waiting.append(f"{spec.name}: {plan.waiting}")
             for hour in plan.refresh:
@@ -219,7 +225,7 @@ def _plan_table(
 
 def _log_requests(context: dg.SensorEvaluationContext, together: Together) -> None:
     """One line per run requested: its hours and its tables."""
-    for span, tables in sorted(together.items()):
+    for (_, span), tables in sorted(together.items()):
         context.log.info(
             f"requesting {span[0]}"
             + (f"..{span[-1]}" if len(span) > 1 else "")
@@ -240,7 +246,11 @@ def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]
         ).hexdigest()
         span_text = span[0] + (f"..{span[-1]}" if len(span) > 1 else "")
         run_key = f"{len(tables)} tables:{span_text}:{digest[:16]}"
-    tags = {"cdc/trigger": "offset_sensor", "cdc/tables": str(len(tables))}
+    tags = {
+        "cdc/trigger": "offset_sensor",
+        "cdc/tables": str(len(tables)),
+        **_priority(tables[0][0]),
+    }
     if len(tables) == 1:
         tags["cdc/table"] = tables[0][0].name
     # The checks evaluated in each hour's own run; retention_risk is re-run on its own.
@@ -273,7 +283,12 @@ def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunReq
     names = sorted(spec.name for spec in tables)
     digest = hashlib.sha1("|".join(names).encode()).hexdigest()[:16]
     who = names[0] if len(names) == 1 else f"{len(names)} tables:{digest}"
-    tags = {"cdc/trigger": "offset_sensor", REFRESH_TAG: "true", "cdc/tables": str(len(names))}
+    tags = {
+        "cdc/trigger": "offset_sensor",
+        REFRESH_TAG: "true",
+        "cdc/tables": str(len(names)),
+        **_priority(tables[0]),
+    }
     return dg.RunRequest(
         run_key=f"refresh:{who}:{hour}:{slot}",
         asset_selection=[dg.AssetKey(spec.name) for spec in tables],
@@ -285,6 +300,12 @@ def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunReq
         partition_key=hour,
         tags=tags,
     )
+
+
+def _priority(spec: TableSpec) -> dict[str, str]:
+    """Tier-0 runs (refreshes and final runs) go first when the run queue has a free slot:
+    Dagster's queue launches higher `dagster/priority` runs before others."""
+    return {PRIORITY_TAG: "10"} if mirrors_pool(spec) == TIER0_POOL else {}
 
 
 def _materialized_with_slice(

@@ -58,6 +58,37 @@ def test_one_hourly_asset_per_table_all_in_the_mirrors_pool():
     assert pools == {"cdc_mirrors"}
 
 
+def test_tier0_tables_have_a_multi_asset_and_a_pool_of_their_own():
+    """A tier-0 table's refreshes must not queue behind the hourly tables' runs: its mirror and
+    its maintenance hold `cdc_mirrors_tier0`, every other table `cdc_mirrors`."""
+    from cdc_assets.config import TableSpec
+    from cdc_assets.factory import build_mirror_assets
+    from cdc_assets.maintenance import build_maintenance_asset
+    from checks.table_checks import MIRROR_CHECKS
+
+    def spec(name, refresh=None):
+        return TableSpec(
+            name=name,
+            topic=f"shop.public.{name}",
+            primary_key=("id",),
+            columns={"id": "bigint"},
+            start_hour="2026-11-01-00:00",
+            refresh_minutes=refresh,
+        )
+
+    specs = [spec("a"), spec("b"), spec("c", 15), spec("d", 5)]
+    assets = build_mirror_assets(specs, checks=MIRROR_CHECKS)
+    groups = {
+        a.op.name: ({k.to_user_string() for k in a.keys}, a.op.pool) for a in assets
+    }
+    assert groups == {
+        "mirrors": ({"a", "b"}, "cdc_mirrors"),
+        "mirrors_tier0": ({"c", "d"}, "cdc_mirrors_tier0"),
+    }
+    assert build_maintenance_asset(specs[2]).op.pool == "cdc_mirrors_tier0"
+    assert build_maintenance_asset(specs[0]).op.pool == "cdc_mirrors"
+
+
 def test_each_table_has_a_maintenance_asset_in_its_pool_on_a_daily_schedule_that_is_off():
     definitions = defs() if callable(defs) else defs
     graph = definitions.resolve_asset_graph()

@@ -302,6 +302,35 @@ def test_a_tier0_table_gets_a_refresh_of_its_open_hours_once_per_slot(
         assert [r.run_key for r in again.run_requests] == [r.run_key for r in refreshes]
 
 
+def test_tier0_and_hourly_tables_closing_the_same_hours_are_requested_apart(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    """A tier-0 table's hours never share a run with an hourly table's: each run holds one
+    pool, and the tier-0 one goes first in the queue."""
+    specs = []
+    for name, refresh in (("hourly", None), ("tier0", 15)):
+        topic = create_topic(f"{topic_prefix}-{name}", partitions=1)
+        for hour in range(5):
+            send(topic, b"a", b"{}", _at(hour, 10), partition=0)
+        specs.append(_spec(topic, lateness=0).model_copy(update={"refresh_minutes": refresh}))
+    hourly, tier0 = specs
+    sensor = build_offset_sensor(specs=specs)
+    context = dg.build_sensor_context(instance=instance, resources={"kafka": kafka})
+    result = sensor(context)
+    closed = [r for r in result.run_requests if REFRESH_TAG not in r.tags]
+    # H0..H2 then H3..H4 for each table (hours_per_run 3), never both tables in one run.
+    assert len(closed) == 4 and all(len(r.asset_selection) == 1 for r in closed)
+    assert {r.asset_selection[0].to_user_string() for r in closed} == {hourly.name, tier0.name}
+    for request in closed:
+        (key,) = request.asset_selection
+        is_tier0 = key.to_user_string() == tier0.name
+        assert (request.tags.get("dagster/priority") == "10") == is_tier0
+        assert {c.asset_key for c in request.asset_check_keys} == {key}
+    refreshes = [r for r in result.run_requests if REFRESH_TAG in r.tags]
+    assert refreshes and all(r.asset_selection == [dg.AssetKey(tier0.name)] for r in refreshes)
+    assert all(r.tags.get("dagster/priority") == "10" for r in refreshes)
+
+
 def test_a_partial_materialization_does_not_complete_its_hour():
     """What the sensor takes as an hour already materialized with its slice: not a refresh (it
     would leave the hour partial if the hour closed with no record after it)."""
