@@ -10,11 +10,14 @@ following them is the daemon's work, and the mirrors' policy is multi_run (at mo
 `hours_per_run` hours a run). So this asks the running webserver, through its GraphQL API, for
 an asset backfill of the tables over the range (`--to` included); the daemon then launches it
 exactly as one launched from the UI: runs of at most `hours_per_run` hours, each queued for
-the pool `cdc_mirrors`, retried by the same policies, visible under Overview → Backfills.
+its tables' pool, retried by the same policies, visible under Overview → Backfills. Hours a
+table has no partition for (before its first hour, in the future) and its hour still open are
+refused before anything is launched, saying what to do instead.
 
-By default it waits for the backfill to end and prints its runs, exiting 0 when every run
-succeeded, 1 when the backfill failed or was canceled, 2 on a wrong argument or a webserver
-that refused the request (the reason printed). `--no-wait` prints the backfill's id and exits.
+By default it waits for the backfill to end and prints its runs, each failed one with its
+reason, exiting 0 when every run succeeded, 1 when the backfill failed or was canceled, 2 on a
+wrong argument or a webserver that refused the request (its reason printed, also behind an HTTP
+error). `--no-wait` prints the backfill's id and exits.
 Without `--table`, every table of the code location's mirrors group is backfilled.
 """
 
@@ -25,20 +28,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-import requests
-
 from cdc_assets.hours import parse_hour_key
+from cdc_assets.webserver import Webserver, WebserverError, refuse_hours
 
 MIRRORS_GROUP = "cdc_mirrors"
 TRIGGER_TAG = {"key": "cdc/trigger", "value": "backfill_cli"}
 DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 SUCCEEDED = {"COMPLETED", "COMPLETED_SUCCESS"}
-
-ASSET_NODES = """
-query MirrorAssets {
-  assetNodes { assetKey { path } groupName isPartitioned }
-}
-"""
 
 LAUNCH = """
 mutation Backfill($params: LaunchBackfillParams!) {
@@ -72,33 +68,8 @@ query Backfill($id: String!) {
 """
 
 
-class BackfillError(Exception):
+class BackfillError(WebserverError):
     """An argument or the webserver's answer the backfill can't go on with; says why."""
-
-
-class Webserver:
-    """The GraphQL API of a running Dagster webserver (the UI's)."""
-
-    def __init__(self, host: str, port: int, *, timeout_s: float = 60) -> None:
-        self.url = f"http://{host}:{port}/graphql"
-        self.timeout_s = timeout_s
-
-    def query(self, text: str, variables: dict | None = None) -> dict:
-        try:
-            response = requests.post(
-                self.url, json={"query": text, "variables": variables or {}}, timeout=self.timeout_s
-            )
-        except requests.ConnectionError:
-            raise BackfillError(
-                f"no Dagster webserver answers at {self.url}; start it (scripts/demo.sh, or "
-                "dagster-webserver in a deployment) or give its --host and --port"
-            ) from None
-        if response.status_code != 200:
-            raise BackfillError(f"{self.url} answered HTTP {response.status_code}")
-        body = response.json()
-        if body.get("errors"):
-            raise BackfillError(f"{self.url}: {body['errors'][0].get('message')}")
-        return body["data"]
 
 
 def hour_keys_between(first: str, last: str) -> tuple[str, str]:
@@ -117,25 +88,24 @@ def hour_keys_between(first: str, last: str) -> tuple[str, str]:
     return first, last
 
 
-def mirror_tables(server: Webserver, wanted: Sequence[str] | None) -> list[str]:
-    """The tables to backfill: `wanted`, each checked to be a mirror, or every mirror."""
-    nodes = server.query(ASSET_NODES)["assetNodes"]
-    mirrors = sorted(
-        "/".join(n["assetKey"]["path"])
-        for n in nodes
-        if n["groupName"] == MIRRORS_GROUP and n["isPartitioned"]
-    )
+def mirror_tables(
+    server: Webserver, wanted: Sequence[str] | None, first: str, last: str
+) -> list[str]:
+    """The tables to backfill: `wanted`, each checked to be a mirror, or every mirror; each
+    checked to have every hour of [first, last] closed (`refuse_hours`)."""
+    partitions = server.partition_keys(MIRRORS_GROUP)
+    mirrors = sorted(partitions)
     if not mirrors:
         raise BackfillError(f"the webserver at {server.url} has no assets in group {MIRRORS_GROUP}")
-    if not wanted:
-        return mirrors
-    unknown = [name for name in wanted if name not in mirrors]
+    tables = list(dict.fromkeys(wanted)) if wanted else mirrors
+    unknown = [name for name in tables if name not in mirrors]
     if unknown:
         raise BackfillError(
             f"no mirror table named {', '.join(unknown)} in the code location; its tables are "
             f"{', '.join(mirrors)}"
         )
-    return list(dict.fromkeys(wanted))
+    refuse_hours({table: partitions[table] for table in tables}, first, last)
+    return tables
 
 
 def launch(server: Webserver, tables: Sequence[str], first: str, last: str) -> str:
@@ -200,21 +170,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = Webserver(args.host, args.port)
     try:
         first, last = hour_keys_between(args.first, args.last)
-        tables = mirror_tables(server, args.table)
+        tables = mirror_tables(server, args.table, first, last)
         backfill_id = launch(server, tables, first, last)
         print(f"backfill {backfill_id}: {', '.join(tables)}, {first} to {last}")  # noqa: T201
         print(f"  http://{args.host}:{args.port}/runs/b/{backfill_id}")  # noqa: T201
         if args.no_wait:
             return 0
         state = wait(server, backfill_id)
-    except BackfillError as exc:
+        runs = sorted(state["runs"] or [], key=run_range)
+        for run in runs:
+            print(f"  run {run['runId']} {run['status']}: {run_range(run)}")  # noqa: T201
+            if run["status"] == "FAILURE":
+                reason = server.run_failure(run["runId"]) or "no failure event recorded"
+                print("    " + reason.replace("\n", "\n    "))  # noqa: T201
+    except WebserverError as exc:
         sys.stderr.write(f"cdc_assets.backfill: {exc}\n")
         return 2
-    for run in sorted(state["runs"] or [], key=run_range):
-        print(f"  run {run['runId']} {run['status']}: {run_range(run)}")  # noqa: T201
     error = (state.get("error") or {}).get("message")
     print(f"backfill {backfill_id} {state['status']}" + (f": {error}" if error else ""))  # noqa: T201
-    succeeded = all(run["status"] == "SUCCESS" for run in state["runs"] or [])
+    succeeded = all(run["status"] == "SUCCESS" for run in runs)
     return 0 if state["status"] in SUCCEEDED and succeeded else 1
 
 

@@ -186,6 +186,7 @@ def _mirrors_asset(
 
     def _mirrors(context: dg.AssetExecutionContext, config: HourRunConfig) -> Iterator:
         selected = [spec for key, spec in by_key.items() if key in context.selected_asset_keys]
+        _refuse_hours_outside(context.partition_key_range, partitions_def, selected)
         done = _materialized_in_this_run(context) if context.retry_number else set()
         work = [
             (spec, [h for h in context.partition_keys if (spec.name, h) not in done])
@@ -219,6 +220,32 @@ def _mirrors_asset(
             ),
             required_resource_keys=runner.resources(specs),
         )(_mirrors)
+
+
+def _refuse_hours_outside(
+    asked: dg.PartitionKeyRange,
+    partitions_def: dg.HourlyPartitionsDefinition,
+    specs: Sequence[TableSpec],
+) -> None:
+    """A run of hours its tables have no partition for (launched through the API or with a
+    partition tag by hand) fails at once and is not retried, naming the tables' hours; Dagster
+    would fail it on its own invariant, and retry it, with no word of what to do."""
+    first = partitions_def.get_first_partition_key()
+    last = partitions_def.get_last_partition_key()
+    if first is None or last is None:
+        return
+    names = ", ".join(spec.name for spec in specs)
+    if asked.start < first:  # fixed-width hour keys: text order is time order
+        problem = f"hour {asked.start} is before the tables' first hour {first} (start_hour)"
+    elif asked.end > last:
+        problem = f"hour {asked.end} is in the future (the newest hour is {last}, still open)"
+    else:
+        return
+    raise dg.Failure(
+        description=f"{names}: {problem}; run hours from {first} to the newest closed one "
+        "(not retried: retrying cannot help)",
+        allow_retries=False,
+    )
 
 
 def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Iterator:
@@ -318,8 +345,12 @@ def tables_failure(failed: list[TableFailure], *, total: int) -> dg.Failure:
         for f in failed
     ]
     retriable = any(f.retriable for f in failed)
+    if len(failed) == total:
+        head = "every table failed" if total > 1 else "the table failed"
+    else:
+        head = f"{len(failed)} of {total} tables failed; the others were materialized"
     return dg.Failure(
-        description=f"{len(failed)} of {total} tables failed; the others were materialized.\n"
+        description=f"{head}{'' if retriable else ' (not retried: retrying cannot help)'}:\n"
         + "\n".join(lines),
         allow_retries=retriable,
     )

@@ -13,6 +13,8 @@ an older result. It prints one line per hour with one column per check, then the
 checks with their descriptions, and with `--json` also writes every result with its metadata.
 
 The metadata is what the checks record: counts, offsets, thresholds, never row values.
+When no check has a result in the range, it says which of the table's hours the instance has
+and exits 1.
 """
 
 from __future__ import annotations
@@ -217,7 +219,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(line(hour, [MARKS[status.get((hour, c), NOT_RUN)] for c in checks]))
     lines += ["", LEGEND, ""]
     failing = [row for row in rows if row["status"] in (FAILED_ERROR, FAILED_WARN)]
-    if not failing:
+    if all(row["status"] == NOT_RUN for row in rows):
+        lines.append("No check ran on these hours.")
+    elif not failing:
         lines.append("No failing checks.")
     else:
         lines.append(f"Failing checks ({len(failing)}):")
@@ -313,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         instance = open_instance()
         try:
             rows = build_report(instance, spec, hours)
+            nothing = None
+            if all(row["status"] == NOT_RUN for row in rows):
+                nothing = _why_nothing(instance, spec, hours)
         finally:
             instance.dispose()
     except ReportError as exc:
@@ -324,7 +331,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = {"table": spec.name, "from": hours[0], "to": hours[-1], "rows": rows}
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nWrote {len(rows)} results to {args.json_path}")  # noqa: T201
+    if nothing:
+        sys.stderr.write(f"checks.report: {nothing}\n")
+        return 1
     return 0
+
+
+def _why_nothing(instance: dg.DagsterInstance, spec: TableSpec, hours: Sequence[str]) -> str:
+    """Why no check has a result in `hours`: which of the table's hours the instance has."""
+    done = sorted(instance.get_materialized_partitions(dg.AssetKey(spec.name)))
+    where = f"the instance at DAGSTER_HOME={os.environ.get('DAGSTER_HOME', '')}"
+    if not done:
+        return (
+            f"{where} has no materialization of table '{spec.name}'; give DAGSTER_HOME the "
+            "instance the webserver and daemon use (the demo's: $PWD/.local/dagster)"
+        )
+    return (
+        f"no check of table '{spec.name}' has a result from {hours[0]} to {hours[-1]}; "
+        f"{where} has its hours from {done[0]} to {done[-1]} materialized ({len(done)} hours)"
+    )
 
 
 if __name__ == "__main__":

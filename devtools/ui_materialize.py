@@ -3,7 +3,9 @@ as the UI's Materialize button does, and reports each run's wall time.
 
     python -m devtools.ui_materialize --hour 2026-11-21-21:00 [--host 127.0.0.1 --port 3000]
 
-Used to check the demo end to end and to time one demo hour (queue to success).
+Used to check the demo end to end and to time one demo hour (queue to success). An hour a
+table has no partition for, or its hour still open, is refused before anything is launched; a
+run that fails is printed with its reason, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import sys
 import time
 
 from dagster_graphql import DagsterGraphQLClient, DagsterGraphQLClientError
+
+from cdc_assets.backfill import MIRRORS_GROUP
+from cdc_assets.webserver import Webserver, WebserverError, refuse_hours
 
 ASSETS = ("customers", "orders", "order_items")
 DONE = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -43,15 +48,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=3000)
     args = parser.parse_args(argv)
     client = DagsterGraphQLClient(args.host, port_number=args.port)
+    server = Webserver(args.host, args.port)
+    assets = tuple(args.asset or ASSETS)
     failed = False
-    for hour in args.hour:
-        try:
-            run_id, status, seconds = materialize(client, hour, tuple(args.asset or ASSETS))
-        except DagsterGraphQLClientError as exc:
-            print(f"{hour}: could not launch: {exc}", file=sys.stderr)
-            return 1
-        print(f"{hour}: run {run_id} {status} in {seconds:.1f} s")
-        failed |= status != "SUCCESS"
+    try:
+        partitions = server.partition_keys(MIRRORS_GROUP)
+        unknown = [name for name in assets if name not in partitions]
+        if unknown:
+            raise WebserverError(
+                f"no mirror table named {', '.join(unknown)}; the code location's tables are "
+                f"{', '.join(sorted(partitions))}"
+            )
+        for hour in args.hour:
+            refuse_hours({name: partitions[name] for name in assets}, hour, hour)
+        for hour in args.hour:
+            try:
+                run_id, status, seconds = materialize(client, hour, assets)
+            except DagsterGraphQLClientError as exc:
+                print(f"{hour}: could not launch: {exc}", file=sys.stderr)
+                return 1
+            print(f"{hour}: run {run_id} {status} in {seconds:.1f} s")
+            if status != "SUCCESS":
+                failed = True
+                reason = server.run_failure(run_id) or "no failure event recorded"
+                print("  " + reason.replace("\n", "\n  "))
+    except WebserverError as exc:
+        print(f"devtools.ui_materialize: {exc}", file=sys.stderr)
+        return 2
     return 1 if failed else 0
 
 

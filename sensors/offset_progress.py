@@ -111,9 +111,7 @@ def _tick(
     together, waiting, events, refreshes = _plan_tables(
         context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
     )
-    requests = [
-        _run_request(span, tables) for (_, span), tables in sorted(together.items())
-    ]
+    requests = [_run_request(span, tables) for (_, span), tables in sorted(together.items())]
     requests += [_refresh_request(*due, tables) for due, tables in sorted(refreshes.items())]
     _log_requests(context, together)
     for (hour, slot), tables in sorted(refreshes.items()):

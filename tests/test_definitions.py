@@ -78,9 +78,7 @@ def test_tier0_tables_have_a_multi_asset_and_a_pool_of_their_own():
 
     specs = [spec("a"), spec("b"), spec("c", 15), spec("d", 5)]
     assets = build_mirror_assets(specs, checks=MIRROR_CHECKS)
-    groups = {
-        a.op.name: ({k.to_user_string() for k in a.keys}, a.op.pool) for a in assets
-    }
+    groups = {a.op.name: ({k.to_user_string() for k in a.keys}, a.op.pool) for a in assets}
     assert groups == {
         "mirrors": ({"a", "b"}, "cdc_mirrors"),
         "mirrors_tier0": ({"c", "d"}, "cdc_mirrors_tier0"),

@@ -15,13 +15,17 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import yaml
+from dagster_graphql import DagsterGraphQLClient
 
 from cdc_assets import backfill
+from cdc_assets.webserver import Webserver
 from demo.reference import replay
+from devtools import ui_materialize
 from resources.lake import LakeResource
 from tests.dagster_ui import (
     RUNS,
@@ -45,6 +49,12 @@ REPO = Path(__file__).resolve().parents[2]
 HOURS = 2
 TABLES = ("customers", "orders")
 DEADLINE_S = 600
+
+STEP_EVENTS = """
+query Events($runId: ID!) {
+  logsForRun(runId: $runId, limit: 1000) { ... on EventConnection { events { __typename } } }
+}
+"""
 
 SENSORS = """
 query Sensors($selector: RepositorySelector!) {
@@ -78,7 +88,7 @@ def test_argument_errors_name_the_option_and_the_fix(capsys):
 
 @pytest.mark.integration
 def test_a_range_of_hours_of_two_tables_is_backfilled_from_the_command_line(
-    broker, spark, tmp_path
+    broker, spark, tmp_path, capsys
 ):
     start = FIRST_HOUR.strftime("%Y-%m-%d-%H:%M")
     demo = [
@@ -181,6 +191,7 @@ def test_a_range_of_hours_of_two_tables_is_backfilled_from_the_command_line(
         # An unknown table is refused before anything is launched.
         assert backfill.main(["--from", keys[0], "--to", keys[0], "--table", "nope", "--port",
                               str(port)]) == 2  # fmt: skip
+        _refusals_say_why(port, keys, capsys)
     finally:
         for service in reversed(services):
             stop_service(service)
@@ -189,3 +200,35 @@ def test_a_range_of_hours_of_two_tables_is_backfilled_from_the_command_line(
         records = read_topic(broker, spec.topic)
         expected = replay(spec, [(p, o, v) for p, o, v, _ in records])
         assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+
+
+def _refusals_say_why(port: int, keys: list[str], capsys) -> None:
+    """Hours outside the tables' partitions and the open hour are refused before anything is
+    launched, saying what to do; a run launched anyway (as a hand-made API call could) fails
+    once, not retried, and the tools print its reason."""
+    capsys.readouterr()
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    current = now.strftime("%Y-%m-%d-%H:%M")
+    future = (now + timedelta(hours=2)).strftime("%Y-%m-%d-%H:%M")
+    before = (FIRST_HOUR - timedelta(hours=1)).strftime("%Y-%m-%d-%H:%M")
+    cases = [  # backfill --from, --to, the hour ui_materialize is asked for, the reason
+        (before, keys[0], before, f"{before} is before the first hour of table 'customers'"),
+        (keys[0], future, future, f"{future} is in the future; the newest hour of table"),
+        (current, current, current, f"hour {current} of table 'customers' is still open"),
+    ]
+    for first, last, hour, reason in cases:
+        assert backfill.main(["--from", first, "--to", last, "--port", str(port)]) == 2
+        assert reason in capsys.readouterr().err
+        ui = ["--hour", hour, "--asset", "customers", "--port", str(port)]
+        assert ui_materialize.main(ui) == 2
+        assert reason in capsys.readouterr().err
+    client = DagsterGraphQLClient("127.0.0.1", port_number=port)
+    run_id, status, _ = ui_materialize.materialize(client, before, TABLES)
+    assert status == "FAILURE"
+    reason = Webserver("127.0.0.1", port).run_failure(run_id)
+    assert reason is not None and f"hour {before} is before the tables' first hour" in reason
+    assert "not retried" in reason and reason.count("is before") == 1, reason
+    events = graphql(port, STEP_EVENTS, {"runId": run_id})["logsForRun"]["events"]
+    kinds = [e["__typename"] for e in events]
+    assert kinds.count("ExecutionStepFailureEvent") == 1, kinds
+    assert "ExecutionStepUpForRetryEvent" not in kinds, kinds

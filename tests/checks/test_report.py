@@ -318,3 +318,10 @@ def test_report_reads_what_the_hourly_runs_recorded(
     assert "customer_id_between  FAILED(ERROR)" in out
     assert "ship_date_not_null  FAILED(WARN)" in out
     print(out)  # noqa: T201  (shown with -s)
+
+    # A range the runs never reached: the report says which hours the instance has, exit 1.
+    argv = ["--table", spec.name, "--from", H3, "--to", H3, "--tables-file", str(tables_file)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "No check ran on these hours." in captured.out
+    assert f"has its hours from {H1} to {H2} materialized (2 hours)" in captured.err
