@@ -191,6 +191,8 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
     case_dir = work / name
     shutil.rmtree(case_dir, ignore_errors=True)
     case_dir.mkdir(parents=True)
+    if tier0:
+        _at_the_top_of_an_hour(name)
     now_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     hours = [now_hour - timedelta(hours=2), now_hour - timedelta(hours=1)]
     keys = [h.strftime(HOUR_FORMAT) for h in hours]
@@ -264,6 +266,18 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
         "delta_rs": delta_rs,
         "check": verdict,
     }
+
+
+def _at_the_top_of_an_hour(name: str) -> None:
+    """The tier-0 case's hours are the current one (live) and the two before it; its creating
+    of the tables and its window take up to 50 minutes, which must end before the live hour
+    does. Started later than 5 minutes past an hour, it waits for the next one."""
+    now = datetime.now(UTC)
+    if now.minute < 5:
+        return
+    start = now.replace(minute=0, second=30, microsecond=0) + timedelta(hours=1)
+    _log(f"{name}: waiting for the top of the hour ({start:%H:%M:%S} UTC)")
+    time.sleep((start - now).total_seconds())
 
 
 def _two_slots_on() -> float:
