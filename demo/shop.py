@@ -418,8 +418,11 @@ def _held_transaction(shop: Shop) -> None:
 
 
 def down(bootstrap: str) -> None:
-    kafka_connect.stop(_worker(bootstrap, ""))
-    postgres.stop(_source_config())
+    """Stops the Connect worker and the shop's Postgres, saying of each whether it ran."""
+    worker = kafka_connect.stop(_worker(bootstrap, ""))
+    print(f"demo: Kafka Connect worker {'stopped' if worker else 'was not running'}")  # noqa: T201
+    source = postgres.stop(_source_config())
+    print(f"demo: the shop's Postgres {'stopped' if source else 'was not running'}")  # noqa: T201
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ on the archive but the time.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pyspark
@@ -249,14 +250,52 @@ def _stop_jvm(spark) -> None:
             raise
 
 
+INSTALL_LOG = Path(".local/install/jvm-archive.log")
+
+
 def main() -> int:
-    """scripts/install.sh's step: the archive of SparkResource's default session."""
+    """scripts/install.sh's step: the archive of SparkResource's default session. Says what it
+    does and how long it took; the session's own output (Spark's warnings) goes to
+    `INSTALL_LOG`, not to install's."""
     from resources.spark import SparkResource
 
     resource = SparkResource()
+    conf, folder = resource.spark_config(), Path(resource.jvm_archive_dir)
+    target = archive_path(conf, folder)
+    if target is not None and target.is_file():
+        return 0
+    INSTALL_LOG.parent.mkdir(parents=True, exist_ok=True)
+    print(  # noqa: T201
+        "install: the Spark driver's class-data archive (about a minute; Spark's output in "
+        f"{INSTALL_LOG})",
+        flush=True,
+    )
+    started = time.monotonic()
     try:
-        make(Path(resource.jvm_archive_dir), resource.spark_config())
+        with _output_to(INSTALL_LOG):
+            made = make(folder, conf)
     except ArchiveNotMadeError as exc:
         sys.stderr.write(f"jvm_archive: {exc}\n")
         return 1
+    size = made.stat().st_size / 2**20
+    print(f"install:   {made.name} ({size:.0f} MiB) in {time.monotonic() - started:.0f} s")  # noqa: T201
     return 0
+
+
+@contextlib.contextmanager
+def _output_to(log: Path) -> Iterator[None]:
+    """Sends this process's stdout and stderr, and so its children's (the JVM's), to `log`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with log.open("ab") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, old in zip((1, 2), saved, strict=True):
+                os.dup2(old, fd)
+                os.close(old)

@@ -58,13 +58,17 @@ stop_shop() {
 stop_servers() {
   [ -x .venv/bin/python ] || return 0
   .venv/bin/python -m demo.shop down --bootstrap "127.0.0.1:$CDC_KAFKA_PORT" || true
-  .venv/bin/python -m devtools.kafka_broker stop || true
+  local broker
+  broker=$(.venv/bin/python -m devtools.kafka_broker stop || true)
+  echo "demo: Kafka broker ${broker/not running/was not running}"
 }
 
 case "${1:-}" in
   --stop)
     stop_shop
     stop_servers
+    echo "demo: Dagster itself stops with Ctrl-C in the terminal that runs scripts/demo.sh;"
+    echo "      the lake and the instance stay under .local/ (scripts/demo.sh --reset starts afresh)"
     exit 0 ;;
   --reset)
     stop_shop

@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step that does something says so, then how long it took.
+took() { echo "install:   done in $((SECONDS - $1)) s"; }
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 command -v java >/dev/null || { echo "install: java (17+) is not on PATH" >&2; exit 1; }
@@ -16,18 +19,22 @@ command -v mvn >/dev/null || { echo "install: mvn is not on PATH" >&2; exit 1; }
 stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "install: Python packages into .venv (pinned in pyproject.toml)"
+  t0=$SECONDS
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev,bench]"
   rm -f .venv/.installed-* && touch "$stamp"
+  took "$t0"
 fi
 
 jar_stamp=.jars/.resolved-$(cat pom.xml jvm/*/pom.xml | sha1sum | cut -c1-12)
 if [ ! -f "$jar_stamp" ]; then
   echo "install: JVM jars from Maven Central into .jars/ (pom.xml)"
+  t0=$SECONDS
   rm -rf .jars
   mvn --batch-mode --quiet package
   touch "$jar_stamp"
+  took "$t0"
 fi
 
 # Debian's packages for the local servers, downloaded with apt-get from the machine's own
@@ -42,6 +49,7 @@ debian_unpack() {
   local stamp=$dir/.installed-$(echo "$packages" | sha1sum | cut -c1-12)
   [ -f "$stamp" ] && return 0
   echo "install: Debian's $name into $dir/ (apt-get download, no root)"
+  local t0=$SECONDS
   for tool in apt-get dpkg-deb ldd; do
     command -v "$tool" >/dev/null || { echo "install: $tool is missing (Debian's apt, dpkg)" >&2; exit 1; }
   done
@@ -77,6 +85,7 @@ debian_unpack() {
   rm -rf "$work"
   mv "$dir.tmp" "$dir"
   touch "$stamp"
+  took "$t0"
 }
 
 # PostgreSQL 15: the Dagster instance on Postgres (tests/deploy, deploy/production) and the
@@ -104,11 +113,13 @@ clock_src=jvm/connect-clock/src/main/java
 clock_jar=.jars/connect-clock/shifted-clock-$(cat "$clock_src"/io/cdclake/connect/*.java | sha1sum | cut -c1-12).jar
 if [ ! -f "$clock_jar" ]; then
   echo "install: the Connect worker's shifted clock ($clock_jar)"
+  t0=$SECONDS
   rm -rf .jars/connect-clock && mkdir -p .jars/connect-clock/classes
   javac --release 17 -nowarn -cp "$(ls .jars/connect/kafka-clients-*.jar)" \
     -d .jars/connect-clock/classes "$clock_src"/io/cdclake/connect/*.java
   jar cf "$clock_jar" -C .jars/connect-clock/classes .
   rm -rf .jars/connect-clock/classes
+  took "$t0"
 fi
 
 # Delta's log store for a lake on S3 with more than one writer (jvm/log-store): commit files are
@@ -118,6 +129,7 @@ store_src=jvm/log-store/src/main/java
 store_jar=.jars/log-store/conditional-put-log-store-$(cat "$store_src"/io/cdclake/delta/*.java .jars/spark/delta-storage-*.jar .jars/s3/hadoop-aws-*.jar | sha1sum | cut -c1-12).jar
 if [ ! -f "$store_jar" ]; then
   echo "install: Delta's conditional-put log store for S3 ($store_jar)"
+  t0=$SECONDS
   pyspark_jars=$(.venv/bin/python -c 'import pathlib, pyspark; print(pathlib.Path(pyspark.__file__).parent / "jars")')
   rm -rf .jars/log-store && mkdir -p .jars/log-store/classes
   javac --release 17 -nowarn \
@@ -125,10 +137,12 @@ if [ ! -f "$store_jar" ]; then
     -d .jars/log-store/classes "$store_src"/io/cdclake/delta/*.java
   jar cf "$store_jar" -C .jars/log-store/classes .
   rm -rf .jars/log-store/classes
+  took "$t0"
 fi
 
 # The Spark driver's class-data archive (resources/jvm_archive.py): a session's JVM maps Spark's,
 # Delta's and Kafka's classes from it instead of loading them one by one. Made once per java and
 # class path (about a minute); without it a session starts as it would anyway, only slower.
+# It says itself when it makes one; Spark's output goes to .local/install/jvm-archive.log.
 .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
   echo "install: no class-data archive for the Spark driver (sessions start without one)" >&2
