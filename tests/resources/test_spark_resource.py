@@ -119,3 +119,17 @@ def test_the_class_archive_follows_the_jars_behind_a_class_path_wildcard(tmp_pat
     before = jvm_archive.archive_path(conf, tmp_path)
     os.utime(s3 / "hadoop-aws-3.5.0.jar", ns=(0, 0))  # the same jar copied again: another time
     assert jvm_archive.archive_path(conf, tmp_path) != before
+
+
+def test_install_keeps_the_archive_jvms_output_in_its_log(tmp_path, capfd):
+    """scripts/install.sh's archive step: what the session's JVM (a child process) writes goes
+    to the log, and the terminal gets it back afterwards."""
+    import subprocess
+
+    log = tmp_path / "jvm-archive.log"
+    with jvm_archive._output_to(log):
+        subprocess.run(["sh", "-c", "echo spark warning >&2; echo spark out"], check=True)
+        print("from python", flush=True)  # noqa: T201
+    print("after", flush=True)  # noqa: T201
+    assert log.read_text().split() == ["spark", "warning", "spark", "out", "from", "python"]
+    assert capfd.readouterr().out == "after\n"
