@@ -215,26 +215,37 @@ def _fleet_case(results: dict, tables: int) -> dict | None:
 
 
 def tier0_lines(results: dict) -> list[str]:
-    """The tier-0 case's queue waits and staleness, as a markdown table (none without it)."""
-    lines = []
+    """The tier-0 case's queue waits and staleness, as markdown tables (none without it)."""
+    runs, stale = [], []
     for case in results["cases"]:
         figures = case["hour"].get("tier0")
         if not figures:
             continue
-        waits, runs, run_s = figures["queue_wait_s"], figures["runs"], figures["run_s_max"]
+        waits, count, run_s = figures["queue_wait_s"], figures["runs"], figures["run_s_max"]
         for kind in ("refresh", "tier0_final", "hourly"):
-            lines.append(
-                f"| {case['case']} | {kind} | {runs[kind]} | {waits[kind]} | {run_s[kind]} |"
+            runs.append(
+                f"| {case['case']} | {kind} | {count[kind]} | {_or_dash(waits[kind])} | "
+                f"{_or_dash(run_s[kind])} |"
             )
-        lines.append(
-            f"| {case['case']} | staleness before a commit, max s | "
-            f"{figures['commits_since_live_hour']} commits | {figures['staleness_max_s']} | "
-            f"goal {figures['staleness_goal_s']} |"
+        stale.append(
+            f"| {case['case']} | {figures['commits_since_live_hour']} | "
+            f"{_or_dash(figures['staleness_max_s'])} | {figures['staleness_goal_s']} |"
         )
-    if lines:
-        lines = ["| case | runs | count | longest queue wait s | longest run s |",
-                 "|---|---|---|---|---|", *lines]  # fmt: skip
-    return lines
+    if not runs:
+        return []
+    return [
+        "| case | runs | count | longest queue wait s | longest run s |",
+        "|---|---|---|---|---|",
+        *runs,
+        "",
+        "| case | tier-0 commits in the live hour | staleness before a commit, max s | goal s |",
+        "|---|---|---|---|",
+        *stale,
+    ]
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else f"{value}"
 
 
 def fleet_targets(results: dict) -> list[dict]:

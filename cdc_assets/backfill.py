@@ -181,7 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in runs:
             print(f"  run {run['runId']} {run['status']}: {run_range(run)}")  # noqa: T201
             if run["status"] == "FAILURE":
-                reason = server.run_failure(run["runId"]) or "no failure event recorded"
+                try:
+                    reason = server.run_failure(run["runId"]) or "no failure event recorded"
+                except WebserverError as exc:  # the backfill ran: report it whole anyway
+                    reason = f"reason unavailable: {exc}"
                 print("    " + reason.replace("\n", "\n    "))  # noqa: T201
     except WebserverError as exc:
         sys.stderr.write(f"cdc_assets.backfill: {exc}\n")

@@ -1,11 +1,11 @@
 """The asset factory: the mirror assets of the table specs, by one builder.
 
-`build_mirror_assets` makes one multi-asset per set of tables with the same first hour, each
-table its own hourly-partitioned asset. A run materializes any of its tables over one hour or a
-range, by a `MirrorRunner`: in this process (`IN_PROCESS`: the tables in parallel on the run's
-Spark session) or through Pipes (`emr.assets.PIPES`). Each hour is still its own slice, MERGE
-commit, metadata and check results (`cdc_assets.reporting`), so a range gives exactly what
-running its hours one by one gives.
+`build_mirror_assets` makes one multi-asset per set of tables with the same first hour and
+pool (hourly or tier-0), each table its own hourly-partitioned asset. A run materializes any
+of its tables over one hour or a range, by a `MirrorRunner`: in this process (`IN_PROCESS`: the
+tables in parallel on the run's Spark session) or through Pipes (`emr.assets.PIPES`). Each
+hour is still its own slice, MERGE commit, metadata and check results (`cdc_assets.reporting`),
+so a range gives exactly what running its hours one by one gives.
 """
 
 import warnings

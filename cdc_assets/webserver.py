@@ -19,9 +19,17 @@ import requests
 
 from cdc_assets.hours import hour_start
 
+# The first partition key and the newest two of each asset, not all of them (a year of hours
+# of 200 tables would be 1.7M keys).
 ASSET_PARTITIONS = """
 query MirrorAssets {
-  assetNodes { assetKey { path } groupName isPartitioned partitionKeys }
+  assetNodes {
+    assetKey { path }
+    groupName
+    isPartitioned
+    first: partitionKeyConnection(limit: 1, ascending: true) { results }
+    newest: partitionKeyConnection(limit: 2, ascending: false) { results }
+  }
 }
 """
 
@@ -35,7 +43,7 @@ query RunEvents($runId: ID!, $after: String) {
       events {
         __typename
         ... on MessageEvent { message stepKey }
-        ... on ErrorEvent { error { message } }
+        ... on ErrorEvent { error { message cause { message cause { message } } } }
       }
     }
     ... on PythonError { message }
@@ -78,10 +86,18 @@ class Webserver:
         return body["data"]
 
     def partition_keys(self, group: str) -> dict[str, list[str]]:
-        """Every partitioned asset of `group`, by name: its partition keys, oldest first."""
+        """Every partitioned asset of `group`, by name: its first partition key and its newest
+        two, oldest first (what `refuse_hours` needs)."""
         nodes = self.query(ASSET_PARTITIONS)["assetNodes"]
         return {
-            "/".join(n["assetKey"]["path"]): list(n["partitionKeys"] or [])
+            "/".join(n["assetKey"]["path"]): list(
+                dict.fromkeys(
+                    [
+                        *(n["first"] or {}).get("results", []),
+                        *reversed((n["newest"] or {}).get("results", [])),
+                    ]
+                )
+            )  # fmt: skip
             for n in nodes
             if n["groupName"] == group and n["isPartitioned"]
         }
@@ -97,10 +113,10 @@ class Webserver:
             for event in found["events"]:
                 kind = event["__typename"]
                 if kind == "ExecutionStepFailureEvent":
-                    error = (event.get("error") or {}).get("message") or event["message"]
+                    error = _reason_of(event.get("error")) or event["message"]
                     steps.append(f"{event.get('stepKey') or 'step'}: {_first_lines(error)}")
                 elif kind == "RunFailureEvent":
-                    error = (event.get("error") or {}).get("message")
+                    error = _reason_of(event.get("error"))
                     runs.append(_first_lines(error or event["message"]))
             if not found["hasMore"]:
                 break
@@ -108,6 +124,16 @@ class Webserver:
         # A retried step fails once per attempt with the same reason: say it once.
         reasons = list(dict.fromkeys(steps)) or list(dict.fromkeys(runs))
         return "\n".join(reasons) or None
+
+
+def _reason_of(error: dict | None) -> str | None:
+    """An error's message; for a step that exhausted its retries ("Exceeded max_retries"), the
+    message of the error that made it retry."""
+    while (
+        error and error.get("message", "").startswith("Exceeded max_retries") and error.get("cause")
+    ):
+        error = error["cause"]
+    return (error or {}).get("message")
 
 
 def _reason(response: requests.Response, body: object) -> str:
@@ -153,9 +179,12 @@ def refuse_hours(
                 f"open until {open_ends:%H:%M} UTC"
             )
         if last == keys[-1] and now < open_ends:
+            earlier = (
+                f"; or end the range at {keys[-2]}" if len(keys) > 1 and first <= keys[-2] else ""
+            )
             raise WebserverError(
                 f"hour {last} of table '{table}' is still open (it ends at {open_ends:%H:%M} "
                 "UTC); the offset sensor materializes it once it has closed. To see its changes "
-                "so far, materialize it from the UI with the run config force_open_hour: true; "
-                f"or end the range at {keys[-2] if len(keys) > 1 else 'an earlier hour'}"
+                "so far, materialize it from the UI with the run config force_open_hour: true"
+                + earlier
             )

@@ -308,7 +308,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: exit 0 with the report printed, 2 on a setting to fix."""
+    """The command: exit 0 with the report printed, 1 when no check of the range has a result
+    (saying which hours the instance has), 2 on a setting to fix."""
     args = _parser().parse_args(argv)
     try:
         hours = hour_range(args.first, args.last)

@@ -275,7 +275,7 @@ def main() -> int:
         with _output_to(INSTALL_LOG):
             made = make(folder, conf)
     except ArchiveNotMadeError as exc:
-        sys.stderr.write(f"jvm_archive: {exc}\n")
+        sys.stderr.write(f"jvm_archive: {exc} (Spark's output: {INSTALL_LOG})\n")
         return 1
     size = made.stat().st_size / 2**20
     print(f"install:   {made.name} ({size:.0f} MiB) in {time.monotonic() - started:.0f} s")  # noqa: T201

@@ -59,7 +59,7 @@ stop_servers() {
   [ -x .venv/bin/python ] || return 0
   .venv/bin/python -m demo.shop down --bootstrap "127.0.0.1:$CDC_KAFKA_PORT" || true
   local broker
-  broker=$(.venv/bin/python -m devtools.kafka_broker stop || true)
+  broker=$(.venv/bin/python -m devtools.kafka_broker stop) || broker="not stopped (see above)"
   echo "demo: Kafka broker ${broker/not running/was not running}"
 }
 

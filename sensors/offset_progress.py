@@ -223,11 +223,11 @@ def _plan_table(
 
 def _log_requests(context: dg.SensorEvaluationContext, together: Together) -> None:
     """One line per run requested: its hours and its tables."""
-    for (_, span), tables in sorted(together.items()):
+    for (pool, span), tables in sorted(together.items()):
         context.log.info(
             f"requesting {span[0]}"
             + (f"..{span[-1]}" if len(span) > 1 else "")
-            + f" of {len(tables)} tables: "
+            + f" of {len(tables)}{' tier-0' if pool == TIER0_POOL else ''} tables: "
             + ", ".join(spec.name for spec, _ in tables)
         )
 

@@ -12,7 +12,7 @@ import pytest
 from cdc_assets.config import TableSpec
 from cdc_assets.factory import _refuse_hours_outside
 from cdc_assets.partitions import hourly_partitions
-from cdc_assets.webserver import WebserverError, _first_lines, refuse_hours
+from cdc_assets.webserver import WebserverError, _first_lines, _reason_of, refuse_hours
 
 KEYS = ["2026-11-27-11:00", "2026-11-27-12:00", "2026-11-27-13:00"]
 INSIDE_LAST = datetime(2026, 11, 27, 13, 20, tzinfo=UTC)
@@ -34,6 +34,25 @@ def test_hours_outside_the_tables_partitions_or_still_open_are_refused(first, la
     with pytest.raises(WebserverError) as refused:
         refuse_hours({"orders": KEYS}, first, last, now=now)
     assert reason in str(refused.value)
+
+
+def test_the_open_hour_alone_is_not_told_to_end_before_it_starts():
+    with pytest.raises(WebserverError) as refused:
+        refuse_hours({"orders": KEYS}, KEYS[2], KEYS[2], now=INSIDE_LAST)
+    assert "or end the range" not in str(refused.value)
+    with pytest.raises(WebserverError) as refused:
+        refuse_hours({"orders": KEYS}, KEYS[0], KEYS[2], now=INSIDE_LAST)
+    assert "or end the range at 2026-11-27-12:00" in str(refused.value)
+
+
+def test_a_step_that_exhausted_its_retries_gives_the_reason_it_retried():
+    error = {
+        "message": "Exceeded max_retries of 2\n",
+        "cause": {"message": "dagster._core.definitions.events.Failure: orders: broker gone"},
+    }
+    assert _reason_of(error) == "dagster._core.definitions.events.Failure: orders: broker gone"
+    assert _reason_of({"message": "orders: hour x", "cause": None}) == "orders: hour x"
+    assert _reason_of(None) is None
 
 
 def test_closed_hours_inside_the_partitions_pass():
