@@ -121,7 +121,8 @@ def _tick(
         )
     skip = None
     if not requests:
-        skip = "; ".join(waiting[:5]) or "every closed hour was requested"
+        more = f"; and {len(waiting) - 5} more tables" if len(waiting) > 5 else ""
+        skip = ("; ".join(waiting[:5]) + more) or "every closed hour was requested"
     return dg.SensorResult(
         run_requests=requests, cursor=cursor.dump(), asset_events=events, skip_reason=skip
     )

@@ -82,7 +82,7 @@ class TickPlan:
     ranges: list[HourRange]
     cursor: Cursor
     hours: list[HourState]  # the closed hours looked at, oldest first
-    waiting: str | None  # why the oldest open hour is open
+    waiting: str | None  # why the oldest open hour is open (the current one in steady state)
     # The open hours to refresh in this tick's `refresh_minutes` slot (tier-0 tables only).
     refresh: list[str] = field(default_factory=list)
 
@@ -152,7 +152,7 @@ def _closed_hours(
     progress: TopicProgress, *, now: datetime, watch_from: datetime, lateness: timedelta
 ) -> tuple[list[HourState], str | None]:
     """The closed hours from `watch_from` on, oldest first, up to the first open one; and why
-    that one is open (None when every hour the tick read closed)."""
+    that one is open (in steady state the current hour, open until its end)."""
     hours: list[HourState] = []
     moment = watch_from
     while moment + HOUR in progress.boundaries:
@@ -172,7 +172,10 @@ def _closed_hours(
             return hours, f"hour {hour_key(moment)} is open: {reason}"
         hours.append(HourState(hour_key(moment), start, end, not idle, None))
         moment += HOUR
-    return hours, None
+    reason = open_reason(
+        hour_end=moment + HOUR, now=now, allowed_lateness=lateness, waiting=[], in_transaction=[]
+    )
+    return hours, f"hour {hour_key(moment)} is open: {reason or 'its end was not read yet'}"
 
 
 def _runs(hours: list[HourState], needed: set[str], *, hours_per_run: int) -> list[HourRange]:
