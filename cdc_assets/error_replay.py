@@ -15,7 +15,8 @@ table is left as it is; purge the replayed rows afterwards (Delta `DELETE`, then
 Configuration comes from the environment: `CDC_TABLES_FILE`, and the Definitions' own resources
 (`resources.environment.resources_from_env`: `CDC_KAFKA_BOOTSTRAP_SERVERS`, `CDC_LAKE_ROOT` with
 the AWS settings of an S3 lake, and `CDC_MASKING_KEY` for a sealed error table). It prints
-counts only, never a row.
+counts only, never a row. It exits 2 when it can't start (an argument, a setting, no error
+table, a sealed one without its key) and 1 when Kafka failed while producing, saying which.
 """
 
 from __future__ import annotations
@@ -28,12 +29,25 @@ from dataclasses import dataclass
 
 import dagster as dg
 from delta.tables import DeltaTable
+from kafka.errors import KafkaError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables
+from cdc_assets.config import (
+    DEFAULT_TABLES_FILE,
+    TABLES_FILE_ENV,
+    TableConfigError,
+    TableSpec,
+    load_tables,
+)
+from cdc_assets.hours import parse_hour_key
 from cdc_assets.sealing import is_sealed, unseal_rows
-from resources.environment import MASKING_KEY_ENV, resources_from_env
+from resources.environment import (
+    KAFKA_BOOTSTRAP_ENV,
+    LAKE_ROOT_ENV,
+    MASKING_KEY_ENV,
+    resources_from_env,
+)
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.masking import HmacKey, MaskingResource
@@ -132,22 +146,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reason", help="only rows whose reason contains this text")
     parser.add_argument("--dry-run", action="store_true", help="count the rows, send nothing")
     args = parser.parse_args(argv)
-    specs = {s.name: s for s in load_tables(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE))}
-    if args.table not in specs:
-        parser.error(f"no table '{args.table}' in the tables file; tables: {sorted(specs)}")
-    spec = specs[args.table]
-    # Resolved as a run resolves them: the secrets' dg.EnvVar read here, never printed.
-    with dg.build_resources(replay_resources()) as resources:
-        outcome = replay_errors(
-            spark=resources.spark.session,
-            kafka=resources.kafka,
-            lake=resources.lake,
-            spec=spec,
-            key=_masking_key(getattr(resources, "masking", None), spec),
-            hours=args.hour,
-            reason=args.reason,
-            dry_run=args.dry_run,
+    for hour in args.hour:
+        if parse_hour_key(hour) is None:
+            parser.error(
+                f"--hour '{hour}' is not an hour key; write it like 2026-11-05-14:00 (UTC, on "
+                "the hour)"
+            )
+    missing = [name for name in (KAFKA_BOOTSTRAP_ENV, LAKE_ROOT_ENV) if not os.environ.get(name)]
+    if missing:
+        parser.error(
+            f"{' and '.join(missing)} not set; set them as the deployment does (the broker's "
+            "bootstrap servers, the lake's root folder or s3:// prefix)"
         )
+    tables_file = os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)
+    try:
+        specs = {s.name: s for s in load_tables(tables_file)}
+    except TableConfigError as exc:
+        parser.error(str(exc))
+    if args.table not in specs:
+        parser.error(
+            f"no table '{args.table}' in the tables file {tables_file}; tables: {sorted(specs)}"
+        )
+    spec = specs[args.table]
+    try:
+        # Resolved as a run resolves them: the secrets' dg.EnvVar read here, never printed.
+        with dg.build_resources(replay_resources()) as resources:
+            outcome = replay_errors(
+                spark=resources.spark.session,
+                kafka=resources.kafka,
+                lake=resources.lake,
+                spec=spec,
+                key=_masking_key(getattr(resources, "masking", None), spec),
+                hours=args.hour,
+                reason=args.reason,
+                dry_run=args.dry_run,
+            )
+    except ReplayError as exc:
+        sys.stderr.write(f"cdc_assets.error_replay: {exc}\n")
+        return 2
+    except KafkaError as exc:
+        sys.stderr.write(
+            f"cdc_assets.error_replay: table '{spec.name}': Kafka failed while producing to "
+            f"'{spec.topic}' ({exc!r}); some rows may have been sent. Run it again once the "
+            "broker answers: a change produced twice is applied once.\n"
+        )
+        return 1
     verb = "would produce" if args.dry_run else "produced"
     count = outcome.selected if args.dry_run else outcome.produced
     print(  # noqa: T201  (the command's output: counts only)
