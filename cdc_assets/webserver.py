@@ -1,6 +1,6 @@
 """The running Dagster webserver's GraphQL API as the command-line tools use it.
 
-`cdc_assets.backfill` and `devtools.ui_materialize` launch runs through the webserver, as the
+`cdc_assets.backfill` and `demo.ui_materialize` launch runs through the webserver, as the
 UI's buttons do. This module holds what they share, so each says why something failed:
 
 - `Webserver.query` raises `WebserverError` with the server's own message, also when it

@@ -21,7 +21,7 @@ Checked only, because they start servers, run for minutes, or need what a test c
   `scripts/install.sh` (downloads; it must exist and be executable), `scripts/bench.sh` and
   `python -m benchmarks.*` (minutes to an hour; arguments parsed by the module's own parser);
 - `python -m MODULE ...` that needs a broker, a webserver or a database (`cdc_assets.backfill`,
-  `cdc_assets.error_replay`, `devtools.ui_materialize`, `devtools.postgres`,
+  `cdc_assets.error_replay`, `demo.ui_materialize`, `devtools.postgres`,
   `devtools.spark_cluster`): the module's own argparse parser must accept the arguments;
 - `scripts/test.sh ARGS` and `python -m pytest ARGS` (the suite takes an hour): pytest must
   collect at least one test with those arguments;
@@ -122,7 +122,7 @@ def _module(command: Command) -> tuple[str, list[str]] | None:
 PARSE_ONLY_MODULES = {
     "cdc_assets.backfill",
     "cdc_assets.error_replay",
-    "devtools.ui_materialize",
+    "demo.ui_materialize",
     "devtools.postgres",
     "devtools.spark_cluster",
     "benchmarks.run",

@@ -24,8 +24,8 @@ from dagster_graphql import DagsterGraphQLClient
 
 from cdc_assets import backfill
 from cdc_assets.webserver import Webserver
+from demo import ui_materialize
 from demo.reference import replay
-from devtools import ui_materialize
 from resources.lake import LakeResource
 from tests.dagster_ui import (
     RUNS,

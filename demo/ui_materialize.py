@@ -1,7 +1,7 @@
 """Materializes hours of the mirror assets through a running Dagster webserver's GraphQL API,
 as the UI's Materialize button does, and reports each run's wall time.
 
-    python -m devtools.ui_materialize --hour 2026-11-21-21:00 [--host 127.0.0.1 --port 3000]
+    python -m demo.ui_materialize --hour 2026-11-21-21:00 [--host 127.0.0.1 --port 3000]
 
 Used to check the demo end to end and to time one demo hour (queue to success). An hour a
 table has no partition for, or its hour still open, is refused before anything is launched; a
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 reason = server.run_failure(run_id) or "no failure event recorded"
                 print("  " + reason.replace("\n", "\n  "))
     except WebserverError as exc:
-        print(f"devtools.ui_materialize: {exc}", file=sys.stderr)
+        print(f"demo.ui_materialize: {exc}", file=sys.stderr)
         return 2
     return 1 if failed else 0
 
