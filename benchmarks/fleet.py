@@ -386,9 +386,10 @@ def _measure_daemon(
                 )
                 _hold(instance, daemon, hold, log)
             result = {"wall_s": round(done_at - started, 1), **_run_figures(instance, n)}
+            materialized = _materializations(instance, names)
             if hold is not None:
-                result["tier0"] = _tier0_figures(instance, names, hour_key)
-            (case_dir / "frontier.json").write_text(json.dumps(_frontiers(instance, names)))
+                result["tier0"] = _tier0_figures(instance, materialized, hour_key)
+            (case_dir / "frontier.json").write_text(json.dumps(_frontiers(materialized)))
     finally:
         stop.set()
         sampler.join()
@@ -475,7 +476,18 @@ def _not_done():
     ]
 
 
-def _tier0_figures(instance, names: list[str], hour_key: str) -> dict:
+def _materializations(instance, names: list[str]) -> dict[str, list]:
+    """Every materialization record of each table (read once: the figures and the frontiers
+    use them)."""
+    import dagster as dg
+
+    return {
+        name: instance.fetch_materializations(dg.AssetKey(name), limit=10_000).records
+        for name in names
+    }
+
+
+def _tier0_figures(instance, materialized: dict[str, list], hour_key: str) -> dict:
     """Each run's wait in the queue (created → started) by kind, and each tier-0 mirror's
     staleness just before each commit from its first commit in the hour after `hour_key`."""
     import dagster as dg
@@ -509,13 +521,9 @@ def _tier0_figures(instance, names: list[str], hour_key: str) -> dict:
     stale, commits = [], 0
     for name in tier0:
         points = sorted(
-            (
-                r.timestamp,
-                r.asset_materialization.metadata["freshness_seconds"].value,
-                r.asset_materialization.partition,
-            )
-            for r in instance.fetch_materializations(dg.AssetKey(name), limit=10_000).records
-            if "freshness_seconds" in r.asset_materialization.metadata
+            (r.timestamp, m.metadata["freshness_seconds"].value, m.partition)
+            for r in materialized[name]
+            if "freshness_seconds" in (m := r.asset_materialization).metadata
         )
         first = next((i for i, p in enumerate(points) if p[2] >= live_key), None)
         if first is None:
@@ -536,14 +544,12 @@ def _tier0_figures(instance, names: list[str], hour_key: str) -> dict:
     }
 
 
-def _frontiers(instance, names: list[str]) -> dict[str, dict[str, int]]:
+def _frontiers(materialized: dict[str, list]) -> dict[str, dict[str, int]]:
     """Per table and partition, the end offset of what its materializations read."""
-    import dagster as dg
-
     out = {}
-    for name in names:
+    for name, materializations in materialized.items():
         ends: dict[str, int] = {}
-        for record in instance.fetch_materializations(dg.AssetKey(name), limit=10_000).records:
+        for record in materializations:
             offsets = record.asset_materialization.metadata.get("kafka_offsets")
             for partition, read in (offsets.value if offsets else {}).items():
                 ends[partition] = max(ends.get(partition, 0), read["end"])
