@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours   # 10 hours of 200 changes
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --conf spark.sql.adaptive.enabled=true
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages   # and each stage's time
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -12,6 +13,10 @@ Spark's code generation compiled. The first hours warm the JVM up (its JIT compi
 large share of its CPU for minutes); the summary is the mean over the hours from the fourth on.
 Every mirror is compared with the plain-Python replay of its topic at the end. Not part of the
 tests; run it on an idle machine.
+
+`--stages` also times the hour run's stages (`cdc_assets.hour_run`) and the steps inside them
+that cost a Spark job or a Delta commit (`STAGES`), and prints each one's mean over the warm
+hours: a stage's time includes the steps listed under it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import random
 import shutil
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -100,6 +108,59 @@ def _send(bootstrap: str, topic: str, hours: int, changes: int) -> list[tuple]:
     return records
 
 
+# (module, function, label): what `--stages` times, outermost first. A step is timed where its
+# caller looks it up (the module attribute the caller reads), so the caller's module is named.
+STAGES = [
+    ("cdc_assets.hour_run", "HourContext.start", "start (the mirror's log, read without Spark)"),
+    ("cdc_assets.hour_run", "plan", "plan (Kafka offsets, the slice)"),
+    ("cdc_assets.hour_run", "stored_mirror", "stored mirror (its schema)"),
+    ("cdc_assets.hour_run", "read", "read"),
+    ("cdc_assets.hour_run", "decode_hour", "decode"),
+    ("cdc_assets.hour_run", "audit", "audit (hard expectations)"),
+    ("cdc_assets.hour_run", "apply", "apply"),
+    ("cdc_assets.hour_run", "_run_record", "  the run's record"),
+    ("cdc_assets.merge", "ensure_mirror_table", "  create or check the mirror"),
+    ("cdc_assets.merge", "prior_rows", "  prior rows (the mirror under the hour's keys)"),
+    ("delta.tables", "DeltaMergeBuilder.execute", "  MERGE"),
+    ("pyspark.sql", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
+    ("cdc_assets.hour_run", "current_version", "  current version"),
+    ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
+    ("cdc_assets.hour_run", "validate", "validate (expectations)"),
+    ("checks.expectations", "_validate", "  great-expectations"),
+    ("cdc_assets.hour_run", "account", "account"),
+]
+
+
+@contextmanager
+def _timed_stages(times: dict[str, float]) -> Iterator[None]:
+    """Wraps each of `STAGES` to add its wall time to `times[label]` while inside."""
+    import importlib
+
+    undo = []
+    for module_name, attribute, label in STAGES:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name]
+        function = original.__func__ if isinstance(original, classmethod) else original
+
+        def timed(*args, _f=function, _label=label, **kwargs):
+            began = time.monotonic()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                times[_label] += time.monotonic() - began
+
+        setattr(owner, name, classmethod(timed) if isinstance(original, classmethod) else timed)
+        undo.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+
+
 def _cmdline(process: psutil.Process) -> str:
     """A child's command line; "" for one that has exited (a zombie until it is reaped)."""
     try:
@@ -113,11 +174,17 @@ def _cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=int, default=10)
     parser.add_argument("--changes", type=int, default=200, help="changes per hour")
     parser.add_argument("--conf", action="append", default=[], help="KEY=VALUE, a Spark setting")
+    parser.add_argument("--stages", action="store_true", help="time the hour run's stages")
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -141,13 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         (jvm,) = [c for c in me.children(recursive=True) if "SparkSubmit" in _cmdline(c)]
         kafka = KafkaResource(bootstrap_servers=bootstrap)
         lake = LakeResource(root=str(work / "lake"))
-        rows = []
+        rows, stages = [], []
         for hour in range(args.hours):
             key = (FIRST + timedelta(hours=hour)).strftime(HOUR_FORMAT)
+            stages.append(defaultdict(float))
             before = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
-            result = run_hour(
-                spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key, checks=MIRROR_CHECKS
-            )
+            with _timed_stages(stages[-1]) if args.stages else _nothing():
+                result = run_hour(
+                    spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key,
+                    checks=MIRROR_CHECKS,
+                )  # fmt: skip
             after = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))
             failed = [c.check_name for c in result.expectations if not c.success]
@@ -166,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
             f"JVM {means[1]:.2f} s CPU, Python {means[2]:.2f} s CPU, "
             f"{means[3]:.0f} classes compiled" + (f" (settings: {extra})" if extra else "")
         )
+        if args.stages:
+            warm_stages = stages[WARM_FROM:] or stages
+            for _, _, label in STAGES:
+                mean = statistics.mean(s[label] for s in warm_stages)
+                print(f"  {label:<52} {mean:5.2f} s")
         expected = replay(spec, records)
         table = spark.read.format("delta").load(lake.table_path(spec.name))
         mirror = {row["id"]: row.asDict() for row in table.where("NOT _cdc_deleted").collect()}
