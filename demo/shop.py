@@ -15,8 +15,10 @@ customer, its total is the sum of its items): new customers, updates that leave 
 `bio` unchanged (Debezium sends a placeholder), bio rewrites, orders placed with their items,
 status changes, item quantity changes, items renumbered (a primary-key update), orders deleted,
 customers renumbered (a primary-key update of a row with a TOASTed value), a transaction held
-open for a few seconds, and now and then a change that breaks a hard expectation of the tables
-file (quantity 0, status 'lost'), which the pipeline sends to the error table.
+open for a few seconds, and rarely a change that breaks a hard expectation of the tables file
+(quantity 0, status 'lost'), which the pipeline sends to the error table: `BAD_PER_HOUR` such
+changes an hour, so about one hour in five of `orders` and of `order_items` fails that check and
+the others are green (a check that is red every hour teaches people to ignore red).
 
 The database password is random at every start and reaches the worker only through its
 environment (`${env:CDC_DEMO_SOURCE_PASSWORD}` in the connector config).
@@ -81,8 +83,10 @@ _STEPS = {
     "cancel": 4,
     "drop_order": 4,
     "move_customer": 1,
-    "bad": 2,
 }
+# Changes an hour, on average, that break a hard expectation (`Shop._bad`): each lands in
+# `orders` or `order_items`, so each table's hour has one with probability 1 - e^-0.25 (22%).
+BAD_PER_HOUR = 0.5
 _FIRST = ("Ada", "Alan", "Grace", "Linus", "Margaret", "Ken", "Barbara", "José", "Zoë", "Søren")
 _LAST = ("Lovelace", "Turing", "Hopper", "Torvalds", "Hamilton", "Núñez", "Brontë", "Müller")
 
@@ -90,9 +94,11 @@ _LAST = ("Lovelace", "Turing", "Hopper", "Torvalds", "Hamilton", "Núñez", "Bro
 class Shop:
     """The shop's workload; counts the change records each step makes, per table."""
 
-    def __init__(self, connection, seed: int | None = None) -> None:
+    def __init__(self, connection, seed: int | None = None, *, steps_per_hour: float = 0) -> None:
         self.sql = connection
         self.random = random.Random(seed)
+        # The share of steps that break a hard expectation (none without a pace).
+        self.bad_share = BAD_PER_HOUR / steps_per_hour if steps_per_hour else 0.0
         self.records: Counter[str] = Counter()
 
     def _run(self, cursor, statement: str, params=(), *, table: str, per_row: int = 1) -> int:
@@ -119,6 +125,8 @@ class Shop:
         """One transaction of the shop at (about) `at`."""
         r = self.random
         kind = r.choices(list(_STEPS), weights=list(_STEPS.values()))[0]
+        if r.random() < self.bad_share:
+            kind = "bad"
         with self.sql, self.sql.cursor() as cursor:
             getattr(self, f"_{kind}")(cursor, at)
 
@@ -308,7 +316,7 @@ def up(
     # Restarted every time: the password is new, and the worker gets it from its environment.
     kafka_connect.stop(worker)
     kafka_connect.start(worker)
-    shop = Shop(connection)
+    shop = Shop(connection, steps_per_hour=_steps_per_hour(changes_per_hour))
     now = datetime.now(UTC)
     closed = [
         now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=n)
@@ -339,7 +347,7 @@ def up(
         started = time.monotonic()
         kafka_connect.set_clock(worker, hour + timedelta(minutes=2))
         shop.records.clear()
-        for n in range(changes_per_hour * len(TABLES) // 2):
+        for n in range(int(_steps_per_hour(changes_per_hour))):
             shop.step(hour + timedelta(minutes=2, seconds=n))
         expected.update(shop.records)
         kafka_connect.wait_published(
@@ -397,11 +405,16 @@ def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
     return path
 
 
+def _steps_per_hour(changes_per_hour: int) -> float:
+    """The workload's transactions an hour: a step changes about two rows across the tables."""
+    return changes_per_hour * len(TABLES) / 2
+
+
 def _follow(shop: Shop, changes_per_hour: int) -> None:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
-    pause = 3600 / max(changes_per_hour * len(TABLES) / 2, 1)
+    pause = 3600 / max(_steps_per_hour(changes_per_hour), 1)
     while not stop:
         shop.step(datetime.now(UTC))
         if shop.random.random() < 0.01:
