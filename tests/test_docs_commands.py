@@ -11,6 +11,8 @@ is the sandbox's), with no `DAGSTER_HOME` or `CDC_*` variable inherited.
 Run verbatim (`bash -c` with the command's text, in the sandbox), because they are cheap and
 need no running service:
 - `checks.report` (README, docs/checks.md), on an empty demo instance under `.local/dagster`;
+- `demo.hours` and the `$(...)` of it in other commands, on the demo's tables file as the demo
+  shop writes it (`.local/demo/tables.yaml`, first hour two hours before the current one);
 - `dagster schedule start` and `dagster instance concurrency set` (README, docs/deploy.md), on
   that instance (they load the code location; a few seconds each);
 - `python -m tests.faults.report`, which prints the last figures or says to run the suite;
@@ -47,9 +49,12 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+from demo.shop import write_tables_file
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -131,7 +136,7 @@ PARSE_ONLY_MODULES = {
     "benchmarks.small_hours",
     "benchmarks.decode_stage",
 }
-RUN_MODULES = {"checks.report", "tests.faults.report"}
+RUN_MODULES = {"checks.report", "tests.faults.report", "demo.hours"}
 RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
 SERVICES = {"dagster-webserver", "dagster-daemon"}
 
@@ -200,6 +205,8 @@ def sandbox(tmp_path_factory) -> Path:
     home = root / ".local" / "dagster"
     home.mkdir(parents=True)
     shutil.copy(REPO / "deploy" / "local" / "dagster.yaml", home / "dagster.yaml")
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    write_tables_file(now - timedelta(hours=2), root / ".local" / "demo" / "tables.yaml")
     return root
 
 
@@ -229,6 +236,10 @@ def test_runs_as_written(command: Command, sandbox: Path):
         # which the fault tests report themselves); a checkout without them is told to run it.
         ran = "Fault suite figures" in output or "run the suite first" in output
         assert done.returncode in (0, 1) and ran, output
+        return
+    if module == "demo.hours":
+        # Any form prints hour keys of the sandbox's demo (the first two hours before this one).
+        assert done.returncode == 0 and re.search(r"\d{4}-\d\d-\d\d-\d\d:00", output), output
         return
     if module == "checks.report":
         # The demo's instance before any run: every hour of every check is NOT RUN, and the
