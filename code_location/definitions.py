@@ -23,24 +23,46 @@ from shop_analytics.sensors import build_downstream_sensor
 
 SENSOR_INTERVAL_ENV = "CDC_SENSOR_INTERVAL_SECONDS"
 DEFAULT_SENSOR_INTERVAL_S = 30
+TABLES_PER_RUN_ENV = "CDC_SENSOR_TABLES_PER_RUN"
 
 
-class SensorIntervalError(ValueError):
-    """CDC_SENSOR_INTERVAL_SECONDS is not a whole number of seconds of at least 1."""
+class SensorSettingError(ValueError):
+    """A sensor setting from the environment is not a whole number of at least 1."""
+
+
+def _whole_number(environ: Mapping[str, str], name: str, what: str, unset: str) -> int | None:
+    """The environment's `name` as a whole number of at least 1; None when unset or empty."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise SensorSettingError(
+            f"{name}={raw!r} is not a whole number of at least 1. Set it to {what}, or unset "
+            f"it for {unset}."
+        )
+    return int(raw)
 
 
 def sensor_interval_seconds(environ: Mapping[str, str] = os.environ) -> int:
     """How often the sensors may tick: CDC_SENSOR_INTERVAL_SECONDS, else 30 s."""
-    raw = environ.get(SENSOR_INTERVAL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SENSOR_INTERVAL_S
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
-        raise SensorIntervalError(
-            f"{SENSOR_INTERVAL_ENV}={raw!r} is not a whole number of seconds of at least 1. "
-            f"Set it to how often the sensors may tick (for example 30), or unset it for "
-            f"{DEFAULT_SENSOR_INTERVAL_S}."
-        )
-    return int(raw)
+    interval = _whole_number(
+        environ,
+        SENSOR_INTERVAL_ENV,
+        "how often the sensors may tick, in seconds (for example 30)",
+        f"{DEFAULT_SENSOR_INTERVAL_S}",
+    )
+    return interval or DEFAULT_SENSOR_INTERVAL_S
+
+
+def sensor_tables_per_run(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The most tables the offset sensor puts in one run: CDC_SENSOR_TABLES_PER_RUN, else all
+    the tables whose same hours closed (`build_offset_sensor`'s `tables_per_run`)."""
+    return _whole_number(
+        environ,
+        TABLES_PER_RUN_ENV,
+        "the most tables one run of the offset sensor may carry (for example 25)",
+        "one run of every table whose same hours closed",
+    )
 
 
 def build_definitions(
@@ -49,11 +71,13 @@ def build_definitions(
     shop_analytics: bool = False,
     offset_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
     downstream_sensor_interval_seconds: int = DEFAULT_SENSOR_INTERVAL_S,
+    tables_per_run: int | None = None,
 ) -> dg.Definitions:
     """Everything of `specs`, and the demo shop's analytics when `shop_analytics` (the tables
     file's switch, `TablesFile`); the intervals are how often the offset sensor and the
     downstream assets' automation sensor may tick (the daemon fault scenarios tick the offset
-    sensor every few seconds)."""
+    sensor every few seconds); `tables_per_run` bounds the tables in one run of the offset
+    sensor (`build_offset_sensor`)."""
     downstream = build_downstream_assets(specs) if shop_analytics else []
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
     maintenance = [build_maintenance_asset(spec) for spec in specs]
@@ -65,7 +89,9 @@ def build_definitions(
             *(
                 [
                     build_offset_sensor(
-                        specs=specs, minimum_interval_seconds=offset_sensor_interval_seconds
+                        specs=specs,
+                        minimum_interval_seconds=offset_sensor_interval_seconds,
+                        tables_per_run=tables_per_run,
                     )
                 ]
                 if specs
@@ -92,11 +118,12 @@ def build_definitions(
 @dg.definitions
 def defs() -> dg.Definitions:
     # Read when Dagster loads the code location, never at import time.
-    interval = sensor_interval_seconds()
+    interval, tables_per_run = sensor_interval_seconds(), sensor_tables_per_run()
     tables = load_tables_file(os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE))
     return build_definitions(
         tables.tables,
         shop_analytics=tables.shop_analytics,
         offset_sensor_interval_seconds=interval,
         downstream_sensor_interval_seconds=interval,
+        tables_per_run=tables_per_run,
     )

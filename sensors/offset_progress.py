@@ -16,7 +16,11 @@ the bootstrap servers; the cursor stays where it was, so the next tick starts ov
 Tier-0 tables (`refresh_minutes`) also get a refresh of their open hours once per slot of that
 many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`. Their
 runs (refreshes and final runs) are requested apart from the hourly tables' runs: they hold
-the tier-0 pool (`cdc_assets.partitions`) and go first in the run queue.
+the tier-0 pool (`cdc_assets.partitions`). The run queue launches refreshes first, then the
+tier-0 tables' final runs, then the hourly tables' (`dagster/priority`, `PRIORITIES`), and
+`tables_per_run` splits the tables whose same hours closed into runs of at most that many: on
+a machine that runs one mirror run at a time, a refresh then waits for one such run at most,
+not for every table's hour.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from sensors.topic_reads import TopicProgress, Watch, read_fleet_progress_within
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 PRIORITY_TAG = "dagster/priority"
+# Dagster's queue launches runs of a higher `dagster/priority` first (default 0): a refresh
+# before a tier-0 table's final run before an hourly table's run.
+PRIORITIES = {"refresh": 20, "tier0": 10, "hourly": 0}
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 # The tables requested together, by their pool and the span of hours (partition keys) they run.
@@ -55,14 +62,18 @@ def build_offset_sensor(
     minimum_interval_seconds: int = 30,
     watch_hours: int = 24,
     kafka_timeout_seconds: float = 20.0,
+    tables_per_run: int | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
     """The offset-progress sensor of every mirror in `specs` (see the module docstring).
 
     One tick reads every topic at once (`read_fleet_progress`) and plans each table's hours
     (`plan_tick`); the tables whose same hours closed are requested together, in one run of
-    the mirrors' multi-asset, which works on them in parallel.
+    the mirrors' multi-asset, which works on them in parallel (`tables_per_run`: in runs of at
+    most that many tables, by name; None: one run).
     """
+    if tables_per_run is not None and tables_per_run < 1:
+        raise ValueError(f"tables_per_run must be at least 1 (or None), not {tables_per_run}")
 
     @dg.sensor(
         name=name,
@@ -83,6 +94,7 @@ def build_offset_sensor(
             specs,
             watch_hours=watch_hours,
             kafka_timeout_seconds=kafka_timeout_seconds,
+            tables_per_run=tables_per_run,
         )
 
     return _offsets
@@ -95,6 +107,7 @@ def _tick(
     *,
     watch_hours: int,
     kafka_timeout_seconds: float,
+    tables_per_run: int | None = None,
 ) -> dg.SensorResult:
     """One tick: read every watched topic, plan each table's hours, request the closed ones
     (the tables whose same hours closed in one run), and leave the cursor after them."""
@@ -111,9 +124,10 @@ def _tick(
     together, waiting, events, refreshes = _plan_tables(
         context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
     )
-    requests = [_run_request(span, tables) for (_, span), tables in sorted(together.items())]
+    runs = _split(together, tables_per_run)
+    requests = [_run_request(span, tables) for _, span, tables in runs]
     requests += [_refresh_request(*due, tables) for due, tables in sorted(refreshes.items())]
-    _log_requests(context, together)
+    _log_requests(context, runs)
     for (hour, slot), tables in sorted(refreshes.items()):
         context.log.info(
             f"refreshing open hour {hour} (slot {slot}) of {len(tables)} tables: "
@@ -222,9 +236,25 @@ def _plan_table(
     )
 
 
-def _log_requests(context: dg.SensorEvaluationContext, together: Together) -> None:
-    """One line per run requested: its hours and its tables."""
+def _split(
+    together: Together, tables_per_run: int | None
+) -> list[tuple[str, tuple[str, ...], list[tuple[TableSpec, HourRange]]]]:
+    """(pool, span, tables) per run: each group's tables by name, at most `tables_per_run` a
+    run (None: all of them)."""
+    runs = []
     for (pool, span), tables in sorted(together.items()):
+        ordered = sorted(tables, key=lambda table: table[0].name)
+        size = tables_per_run or len(ordered)
+        runs += [(pool, span, ordered[n : n + size]) for n in range(0, len(ordered), size)]
+    return runs
+
+
+def _log_requests(
+    context: dg.SensorEvaluationContext,
+    runs: list[tuple[str, tuple[str, ...], list[tuple[TableSpec, HourRange]]]],
+) -> None:
+    """One line per run requested: its hours and its tables."""
+    for pool, span, tables in runs:
         context.log.info(
             f"requesting {span[0]}"
             + (f"..{span[-1]}" if len(span) > 1 else "")
@@ -248,7 +278,7 @@ def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]
     tags = {
         "cdc/trigger": "offset_sensor",
         "cdc/tables": str(len(tables)),
-        **_priority(tables[0][0]),
+        **_priority(tables[0][0], refresh=False),
     }
     if len(tables) == 1:
         tags["cdc/table"] = tables[0][0].name
@@ -286,7 +316,7 @@ def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunReq
         "cdc/trigger": "offset_sensor",
         REFRESH_TAG: "true",
         "cdc/tables": str(len(names)),
-        **_priority(tables[0]),
+        **_priority(tables[0], refresh=True),
     }
     return dg.RunRequest(
         run_key=f"refresh:{who}:{hour}:{slot}",
@@ -301,10 +331,11 @@ def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunReq
     )
 
 
-def _priority(spec: TableSpec) -> dict[str, str]:
-    """Tier-0 runs (refreshes and final runs) go first when the run queue has a free slot:
-    Dagster's queue launches higher `dagster/priority` runs before others."""
-    return {PRIORITY_TAG: "10"} if mirrors_pool(spec) == TIER0_POOL else {}
+def _priority(spec: TableSpec, *, refresh: bool) -> dict[str, str]:
+    """The run's place in Dagster's queue (`PRIORITIES`): refreshes first, then tier-0 tables'
+    final runs, then the hourly tables' runs (no tag: Dagster's default, 0)."""
+    kind = "refresh" if refresh else "tier0" if mirrors_pool(spec) == TIER0_POOL else "hourly"
+    return {PRIORITY_TAG: str(PRIORITIES[kind])} if PRIORITIES[kind] else {}
 
 
 def _materialized_with_slice(

@@ -13,9 +13,11 @@ import pytest
 from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
 from code_location.definitions import (
     SENSOR_INTERVAL_ENV,
-    SensorIntervalError,
+    TABLES_PER_RUN_ENV,
+    SensorSettingError,
     defs,
     sensor_interval_seconds,
+    sensor_tables_per_run,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,5 +152,13 @@ def test_the_sensor_interval_comes_from_the_environment_and_a_bad_one_names_the_
     assert intervals == {"cdc_offsets": 5, "shop_analytics_automation": 5}
     assert sensor_interval_seconds({}) == 30
     for bad in ("0", "-3", "1.5", "soon", "²"):
-        with pytest.raises(SensorIntervalError, match=rf"{SENSOR_INTERVAL_ENV}='{bad}'.*unset it"):
+        with pytest.raises(SensorSettingError, match=rf"{SENSOR_INTERVAL_ENV}='{bad}'.*unset it"):
             sensor_interval_seconds({SENSOR_INTERVAL_ENV: bad})
+
+
+def test_the_tables_per_run_of_the_offset_sensor_come_from_the_environment():
+    assert sensor_tables_per_run({}) is None  # every table whose same hours closed, one run
+    assert sensor_tables_per_run({TABLES_PER_RUN_ENV: " 25 "}) == 25
+    for bad in ("0", "many", "2.5"):
+        with pytest.raises(SensorSettingError, match=rf"{TABLES_PER_RUN_ENV}='{bad}'.*unset it"):
+            sensor_tables_per_run({TABLES_PER_RUN_ENV: bad})

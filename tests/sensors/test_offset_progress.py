@@ -328,7 +328,34 @@ def test_tier0_and_hourly_tables_closing_the_same_hours_are_requested_apart(
         assert {c.asset_key for c in request.asset_check_keys} == {key}
     refreshes = [r for r in result.run_requests if REFRESH_TAG in r.tags]
     assert refreshes and all(r.asset_selection == [dg.AssetKey(tier0.name)] for r in refreshes)
-    assert all(r.tags.get("dagster/priority") == "10" for r in refreshes)
+    # The queue's order: a refresh before a tier-0 final run before an hourly run.
+    assert {r.tags["dagster/priority"] for r in refreshes} == {"20"}
+
+
+def test_tables_per_run_splits_the_tables_whose_same_hours_closed(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    """Three tables whose same hours closed, at most two a run: two runs, the tables by name,
+    each hour of each table requested once, and each run's key its own."""
+    specs = []
+    for name in ("c", "a", "b"):
+        topic = create_topic(f"{topic_prefix}-{name}", partitions=1)
+        for hour in range(3):
+            send(topic, b"a", b"{}", _at(hour, 10), partition=0)
+        specs.append(_spec(topic, lateness=0).model_copy(update={"name": f"t_{name}"}))
+    sensor = build_offset_sensor(specs=specs, tables_per_run=2)
+    context = dg.build_sensor_context(instance=instance, resources={"kafka": kafka})
+    requests = sensor(context).run_requests
+    # Every hour closed (no lateness, hours in the past): two spans of hours (hours_per_run
+    # 3), each as two runs.
+    selections = [[k.to_user_string() for k in r.asset_selection] for r in requests]
+    assert selections == [["t_a", "t_b"], ["t_c"]] * 2, selections
+    assert len({r.run_key for r in requests}) == 4
+    assert requests[1].tags["cdc/table"] == "t_c"
+    spans = [(r.partition_key, r.tags.get("dagster/asset_partition_range_start")) for r in requests]
+    assert spans[0] == spans[1] and spans[2] == spans[3] and spans[0] != spans[2]
+    with pytest.raises(ValueError, match="tables_per_run must be at least 1"):
+        build_offset_sensor(specs=specs, tables_per_run=0)
 
 
 def test_a_partial_materialization_does_not_complete_its_hour():
