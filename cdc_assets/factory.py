@@ -22,7 +22,14 @@ from cdc_assets.fleet import TableRun, TableWork, run_tables
 from cdc_assets.hour_run import SequenceConfigError, TruncateError
 from cdc_assets.masking import MaskedMirrorError
 from cdc_assets.merge import MirrorSettingError
-from cdc_assets.partitions import REFRESH_TAG, TIER0_POOL, hourly_partitions, mirrors_pool
+from cdc_assets.partitions import (
+    REFRESH_TAG,
+    SENSOR_TRIGGER,
+    TIER0_POOL,
+    TRIGGER_TAG,
+    hourly_partitions,
+    mirrors_pool,
+)
 from cdc_assets.reporting import (
     HourReport,
     hour_summary,
@@ -32,7 +39,7 @@ from cdc_assets.reporting import (
     result_metadata,
 )
 from cdc_assets.sealing import ErrorTableSealingError
-from cdc_assets.slicing import SliceError
+from cdc_assets.slicing import OpenHourError, SliceError
 from resources.lake import LakeConfigError, LakeResource
 from resources.masking import HmacKey, MaskingKeyError
 from resources.spark import SparkResource
@@ -279,6 +286,13 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
         ]
         if outcome.error is None:
             yield from report_hours(context, spec, check_specs, reports)
+        elif _leaves_open(context, outcome.error):
+            # A person asked for an hour not closed yet: not a failure. The hours before it
+            # are recorded, the open one is left as it was (its checks show as skipped, not
+            # as failed executions, and no partition turns red); the sensor runs it once it
+            # closes. The sensor's own run fails on one instead: it asked for it as closed.
+            yield from report_done_hours(context, spec, check_specs, reports)
+            yield _left_open(spec, outcome)
         else:
             failed.append(outcome)
             yield from report_done_hours(context, spec, check_specs, reports)
@@ -298,6 +312,25 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
         )
 
 
+def _leaves_open(context: dg.AssetExecutionContext, error: BaseException | None) -> bool:
+    """Whether the run leaves a table's hour it found still open as it was (a run a person
+    launched) rather than failing on it (the offset sensor's run: it asked for a closed hour)."""
+    return isinstance(error, OpenHourError) and (
+        context.run.tags.get(TRIGGER_TAG) != SENSOR_TRIGGER
+    )
+
+
+def _left_open(spec: TableSpec, outcome: TableRun) -> dg.AssetObservation:
+    """What a run records of a table whose hour it found still open (`OpenHourError`): an
+    observation on that hour, in the asset's events, saying why and what to do."""
+    reason = f"not materialized by this run: {outcome.error}"
+    return dg.AssetObservation(
+        asset_key=dg.AssetKey(spec.name),
+        partition=outcome.failed_hour,
+        metadata={"left_open": reason},
+    )
+
+
 def _in_process_resources(specs: Sequence[TableSpec]) -> set[str]:
     # Every table with sensitive columns needs the key: hashes, and its error table's seal.
     masking = {"masking"} if any(spec.sensitive for spec in specs) else set()
@@ -313,7 +346,9 @@ def _log_table(context: dg.AssetExecutionContext, outcome: TableRun) -> None:
         context.log.info(f"{hour_summary(spec, hour.result)} ({hour.seconds:.1f} s)")
         if hour.result.partial:
             context.log.warning(partial_warning(spec, hour.result))
-    if outcome.error is not None:
+    if _leaves_open(context, outcome.error):
+        context.log.warning(f"{spec.name} {outcome.failed_hour} left open: {outcome.error}")
+    elif outcome.error is not None:
         context.log.error(f"{spec.name} {outcome.failed_hour}: {_describe(outcome.error)}")
 
 

@@ -22,6 +22,11 @@ TIER0_POOL = "cdc_mirrors_tier0"
 # (`refresh_minutes`): the run slices the open hour as `force_open_hour` does, and its results
 # are partial until the run after the hour closes completes them.
 REFRESH_TAG = "cdc/refresh"
+# Who launched a run: the offset sensor tags its runs so (`SENSOR_TRIGGER`). A run a person
+# launched leaves an hour it finds still open as it was; the sensor's run fails on one, since
+# the sensor asked for it as closed (cdc_assets.factory).
+TRIGGER_TAG = "cdc/trigger"
+SENSOR_TRIGGER = "offset_sensor"
 
 
 def hourly_partitions(spec: TableSpec) -> dg.HourlyPartitionsDefinition:

@@ -33,7 +33,13 @@ import dagster as dg
 
 from cdc_assets.config import TableSpec
 from cdc_assets.hours import hour_start
-from cdc_assets.partitions import REFRESH_TAG, TIER0_POOL, mirrors_pool
+from cdc_assets.partitions import (
+    REFRESH_TAG,
+    SENSOR_TRIGGER,
+    TIER0_POOL,
+    TRIGGER_TAG,
+    mirrors_pool,
+)
 from cdc_assets.slicing import SliceError
 from checks.table_checks import run_check_names
 from resources.kafka import KafkaResource
@@ -276,7 +282,7 @@ def _run_request(span: tuple[str, ...], tables: list[tuple[TableSpec, HourRange]
         span_text = span[0] + (f"..{span[-1]}" if len(span) > 1 else "")
         run_key = f"{len(tables)} tables:{span_text}:{digest[:16]}"
     tags = {
-        "cdc/trigger": "offset_sensor",
+        TRIGGER_TAG: SENSOR_TRIGGER,
         "cdc/tables": str(len(tables)),
         **_priority(tables[0][0], refresh=False),
     }
@@ -313,7 +319,7 @@ def _refresh_request(hour: str, slot: str, tables: list[TableSpec]) -> dg.RunReq
     digest = hashlib.sha1("|".join(names).encode()).hexdigest()[:16]
     who = names[0] if len(names) == 1 else f"{len(names)} tables:{digest}"
     tags = {
-        "cdc/trigger": "offset_sensor",
+        TRIGGER_TAG: SENSOR_TRIGGER,
         REFRESH_TAG: "true",
         "cdc/tables": str(len(names)),
         **_priority(tables[0], refresh=True),

@@ -112,13 +112,17 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     asset = build_table_asset(checks=MIRROR_CHECKS, spec=spec)
     resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
 
+    # Not closed yet is not a failure: nothing is materialized and no check result is written
+    # (the run's planned checks show as skipped, not as failed executions, so the hour's last
+    # real results stay visible); an observation on the hour says why and what to do.
     refused = dg.materialize([asset], partition_key=key, resources=resources, raise_on_error=False)
-    assert not refused.success
-    error, messages = refused.get_step_failure_events()[0].step_failure_data.error, []
-    while error is not None:
-        messages.append(error.message)
-        error = error.cause
-    assert any(f"hour {key} is still open" in m for m in messages)
+    assert refused.success
+    assert refused.asset_materializations_for_node("accounts") == []
+    assert refused.get_asset_check_evaluations() == []
+    (observation,) = refused.asset_observations_for_node("accounts")
+    assert observation.partition == key
+    left_open = observation.metadata["left_open"].value
+    assert f"hour {key} is still open" in left_open and "force_open_hour: true" in left_open
 
     forced = dg.materialize(
         [asset],
@@ -156,6 +160,29 @@ def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
     complete = {c.check_name: c for c in refreshed.get_asset_check_evaluations()}["complete_hour"]
     assert not complete.passed and complete.severity == dg.AssetCheckSeverity.WARN
     assert refreshed.success
+
+    # The offset sensor's run of an hour it took for closed fails on it instead: that needs a
+    # person (the sensor and the run disagree), and a red run says so.
+    by_sensor = dg.materialize(
+        [asset], partition_key=key, resources=resources, raise_on_error=False,
+        tags={"cdc/trigger": "offset_sensor"},
+    )  # fmt: skip
+    assert not by_sensor.success and by_sensor.asset_materializations_for_node("accounts") == []
+
+    # A range that ends in the open hour (the UI's "materialize all"): the closed hour before
+    # it is materialized with its checks, the open one left as it was, and the run succeeds.
+    before = (now - timedelta(hours=1)).strftime("%Y-%m-%d-%H:00")
+    ranged = dg.materialize(
+        [asset],
+        resources=resources,
+        tags={"dagster/asset_partition_range_start": before,
+              "dagster/asset_partition_range_end": key},
+        raise_on_error=False,
+    )  # fmt: skip
+    assert ranged.success
+    assert [m.partition for m in ranged.asset_materializations_for_node("accounts")] == [before]
+    assert {c.partition for c in ranged.get_asset_check_evaluations()} == {before}
+    assert [o.partition for o in ranged.asset_observations_for_node("accounts")] == [key]
 
 
 def test_offsets_lost_to_retention_fail_the_hour_and_name_the_range(
