@@ -85,7 +85,13 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
   exit 1
 fi
 
-scripts/install.sh
+scripts/install.sh --demo
+# The Spark driver's class-data archive, made beside the demo's start: the UI needs none, and a
+# run that starts before it is there starts without it (slower, not wrong; the archive is
+# written aside and renamed when whole). Its lines go to .local/install/archive.out.
+mkdir -p "$root/.local/install"
+nohup .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' \
+  < /dev/null >> "$root/.local/install/archive.out" 2>&1 &
 export CDC_KAFKA_BOOTSTRAP_SERVERS
 CDC_KAFKA_BOOTSTRAP_SERVERS=$(.venv/bin/python -m devtools.kafka_broker start)
 

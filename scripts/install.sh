@@ -5,8 +5,17 @@
 # Debian's PostgreSQL and MariaDB (→ .tools/), and the Spark driver's class-data archive
 # (→ .jars/jvm-archive/, resources/jvm_archive.py). Idempotent: a second run only checks. Needs
 # python3.11, java 17 and mvn on PATH, and Debian's apt-get and dpkg-deb.
+# `--demo`: only what the demo needs before its UI answers: no MariaDB (the tests' second CDC
+# source) and no class-data archive (scripts/demo.sh makes it beside the demo's start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+demo=false
+case "${1:-}" in
+  --demo) demo=true ;;
+  "") ;;
+  *) echo "usage: scripts/install.sh [--demo]" >&2; exit 2 ;;
+esac
 
 # Each step that does something says so, then how long it took.
 took() { echo "install:   done in $((SECONDS - $1)) s"; }
@@ -100,7 +109,7 @@ debian_unpack postgresql "postgresql-15 libpq5 libicu72 libxml2 libldap-2.5-0 li
   "usr/lib/postgresql/15/lib/bitcode usr/share/postgresql/15/man"
 
 # MariaDB 10.11: the MySQL-family CDC source of the tests (devtools/mariadb.py).
-debian_unpack mariadb "mariadb-server-core mariadb-client-core libcrypt1 libnuma1 libpcre2-8-0
+$demo || debian_unpack mariadb "mariadb-server-core mariadb-client-core libcrypt1 libnuma1 libpcre2-8-0
   liburing2 libaio1 libsnappy1v5 libssl3 libsystemd0 liblz4-1 libzstd1 libcap2 libgcrypt20
   libgpg-error0 zlib1g liblzma5 libedit2 libbsd0 libmd0 libtinfo6 libncurses6" \
   "usr/sbin/mariadbd usr/bin/mariadb usr/bin/my_print_defaults" \
@@ -144,5 +153,5 @@ fi
 # Delta's and Kafka's classes from it instead of loading them one by one. Made once per java and
 # class path (about a minute); without it a session starts as it would anyway, only slower.
 # It says itself when it makes one; Spark's output goes to .local/install/jvm-archive.log.
-.venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
+$demo || .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
   echo "install: no class-data archive for the Spark driver (sessions start without one)" >&2
