@@ -273,7 +273,7 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
         local_read_max_records=spark.local_read_max_records,
         on_done=lambda outcome: _log_table(context, outcome),
     )
-    failed = []
+    failed, left_open, asked = [], 0, {spec.name: hours for spec, hours in run.work}
     for outcome in outcomes:
         spec, check_specs = outcome.spec, run.check_specs[outcome.spec.name]
         reports = [
@@ -292,7 +292,8 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
             # as failed executions, and no partition turns red); the sensor runs it once it
             # closes. The sensor's own run fails on one instead: it asked for it as closed.
             yield from report_done_hours(context, spec, check_specs, reports)
-            yield _left_open(spec, outcome)
+            yield from _left_open(spec, outcome, asked[spec.name])
+            left_open += 1
         else:
             failed.append(outcome)
             yield from report_done_hours(context, spec, check_specs, reports)
@@ -309,6 +310,7 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
                 for outcome in failed
             ],
             total=len(work),
+            left_open=left_open,
         )
 
 
@@ -320,15 +322,16 @@ def _leaves_open(context: dg.AssetExecutionContext, error: BaseException | None)
     )
 
 
-def _left_open(spec: TableSpec, outcome: TableRun) -> dg.AssetObservation:
+def _left_open(spec: TableSpec, outcome: TableRun, asked: Sequence[str]) -> Iterator:
     """What a run records of a table whose hour it found still open (`OpenHourError`): an
-    observation on that hour, in the asset's events, saying why and what to do."""
+    observation on that hour and on each hour of the run after it (open too), in the asset's
+    events, saying why and what to do."""
     reason = f"not materialized by this run: {outcome.error}"
-    return dg.AssetObservation(
-        asset_key=dg.AssetKey(spec.name),
-        partition=outcome.failed_hour,
-        metadata={"left_open": reason},
-    )
+    for hour in asked:
+        if outcome.failed_hour is not None and hour >= outcome.failed_hour:
+            yield dg.AssetObservation(
+                asset_key=dg.AssetKey(spec.name), partition=hour, metadata={"left_open": reason}
+            )
 
 
 def _in_process_resources(specs: Sequence[TableSpec]) -> set[str]:
@@ -367,8 +370,9 @@ class TableFailure:
     retriable: bool
 
 
-def tables_failure(failed: list[TableFailure], *, total: int) -> dg.Failure:
-    """The run's failure when some of its tables failed: each named with its hour and reason.
+def tables_failure(failed: list[TableFailure], *, total: int, left_open: int = 0) -> dg.Failure:
+    """The run's failure when some of its tables failed: each named with its hour and reason
+    (`left_open`: how many others the run left at an open hour, not materialized).
     Retried only when retrying can help one of them; a retry runs what is not yet done."""
     lines = [
         f"{f.table} {f.hour_key}: {f.reason}"
@@ -382,8 +386,13 @@ def tables_failure(failed: list[TableFailure], *, total: int) -> dg.Failure:
     retriable = any(f.retriable for f in failed)
     if len(failed) == total:
         head = "every table failed" if total > 1 else "the table failed"
-    else:
+    elif not left_open:
         head = f"{len(failed)} of {total} tables failed; the others were materialized"
+    else:
+        head = (
+            f"{len(failed)} of {total} tables failed; {left_open} left an open hour as it was, "
+            f"the other {total - len(failed) - left_open} were materialized"
+        )
     return dg.Failure(
         description=f"{head}{'' if retriable else ' (not retried: retrying cannot help)'}:\n"
         + "\n".join(lines),

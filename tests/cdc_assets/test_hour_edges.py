@@ -17,7 +17,7 @@ from pyarrow.dataset import ParquetReadOptions
 
 from cdc_assets.commits import hour_history
 from cdc_assets.config import TableSpec
-from cdc_assets.factory import build_table_asset
+from cdc_assets.factory import TableFailure, build_table_asset, tables_failure
 from cdc_assets.hour_run import ADAPTIVE, SequenceConfigError, run_hour, sized_shuffles
 from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import DataLossError, OpenHourError
@@ -714,3 +714,13 @@ def test_refreshes_read_only_what_is_new_and_the_final_run_completes_the_hour(
 
 def _raise(*args, **kwargs):
     raise RuntimeError("crash")
+
+
+def test_a_runs_failure_names_the_tables_it_left_open_apart():
+    failure = tables_failure(
+        [TableFailure("a", "2026-11-27-10:00", "boom", [], retriable=True)], total=3, left_open=1
+    )
+    head = failure.description.splitlines()[0]
+    assert head == (
+        "1 of 3 tables failed; 1 left an open hour as it was, the other 1 were materialized:"
+    )
