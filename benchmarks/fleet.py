@@ -22,7 +22,11 @@ sent as the clock reaches their timestamps. The daemon runs from H1's close thro
 two 15-minute slot boundaries (15 to 30 minutes), then until its runs end. Reported besides:
 each run's wait in the queue (created → started) by kind (refresh, tier-0 final, hourly), and
 each tier-0 mirror's staleness just before each of its commits (the age of its newest applied
-change then), against 15 minutes plus the longest refresh run.
+change then), against 15 minutes plus the longest refresh run. Its instance runs one run at a
+time (`max_concurrent_runs: 1`) and its sensor's runs of closed hours carry at most
+`TIER0_TABLES_PER_RUN` tables (`CDC_SENSOR_TABLES_PER_RUN`): docs/deploy.md's setting for a
+2-core machine with tier-0 tables, where the run queue's order (refresh, tier-0 final, hourly)
+decides the waits.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ PARTITIONS = 3
 CHANGES = 200  # per table and hour
 STARTING_KEYS = 2_000  # the template's keys the changes pick from (Zipf ranks)
 REFRESH_MINUTES = 15  # the tier-0 tables'
+TIER0_TABLES_PER_RUN = 25  # the tier-0 case's CDC_SENSOR_TABLES_PER_RUN
 
 
 def table_name(n: int) -> str:
@@ -210,7 +215,11 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
     tables_file.write_text(yaml.safe_dump({"tables": tables}, sort_keys=False))
     home = case_dir / "dagster"
     home.mkdir()
-    shutil.copy(REPO / "deploy" / "local" / "dagster.yaml", home / "dagster.yaml")
+    instance = (REPO / "deploy" / "local" / "dagster.yaml").read_text()
+    if tier0:  # one run at a time, in the queue's order (docs/deploy.md, 2 cores)
+        assert "max_concurrent_runs: 2" in instance
+        instance = instance.replace("max_concurrent_runs: 2", "max_concurrent_runs: 1")
+    (home / "dagster.yaml").write_text(instance)
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
@@ -218,6 +227,8 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
         "CDC_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "CDC_LAKE_ROOT": str(case_dir / "lake"),
     }
+    if tier0:
+        env["CDC_SENSOR_TABLES_PER_RUN"] = str(TIER0_TABLES_PER_RUN)
 
     _log(f"{name}: H0 {keys[0]}, every table in one run (creates the tables)")
     warm = _timed_child(
@@ -258,6 +269,7 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
         "case": name,
         "tables": n,
         "tier0": tier0,
+        "tables_per_run": TIER0_TABLES_PER_RUN if tier0 else None,
         "kinds": {k: sum(kind_of(i) == k for i in range(n)) for k in ("small", "empty", "bad")},
         "changes_per_hour": CHANGES,
         "produce_s": round(produce_s, 1),
