@@ -48,7 +48,7 @@ import yaml
 from kafka import KafkaAdminClient, KafkaProducer
 
 from benchmarks.workload import COLUMNS, PRIMARY_KEY, Workload
-from cdc_assets.partitions import REFRESH_TAG
+from cdc_assets.partitions import REFRESH_TAG, SENSOR_TRIGGER, TRIGGER_TAG
 from checks.table_checks import MIRROR_CHECKS
 from demo.produce import ensure_topics
 
@@ -228,7 +228,9 @@ def run_case(n: int, bootstrap: str, work: Path, *, tier0: int = 0) -> dict:
         "CDC_LAKE_ROOT": str(case_dir / "lake"),
     }
     if tier0:
-        env["CDC_SENSOR_TABLES_PER_RUN"] = str(TIER0_TABLES_PER_RUN)
+        from code_location.definitions import TABLES_PER_RUN_ENV  # dagster: imported late
+
+        env[TABLES_PER_RUN_ENV] = str(TIER0_TABLES_PER_RUN)
 
     _log(f"{name}: H0 {keys[0]}, every table in one run (creates the tables)")
     warm = _timed_child(
@@ -421,7 +423,7 @@ def _progress(instance, names: list[str], hour_key: str) -> str:
     import dagster as dg
 
     runs = instance.get_runs(
-        filters=dg.RunsFilter(tags={"cdc/trigger": "offset_sensor", "dagster/partition": hour_key})
+        filters=dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_TRIGGER, "dagster/partition": hour_key})
     )
     runs = [r for r in runs if REFRESH_TAG not in r.tags]  # the hour's own runs
     finished = bool(runs) and all(r.is_finished for r in runs)
@@ -505,18 +507,19 @@ def _tier0_figures(instance, materialized: dict[str, list], hour_key: str) -> di
     import dagster as dg
 
     from cdc_assets.config import load_tables
+    from sensors.offset_progress import PRIORITIES, PRIORITY_TAG
 
     waits: dict[str, list[float]] = {"refresh": [], "tier0_final": [], "hourly": []}
     run_s: dict[str, list[float]] = {"refresh": [], "tier0_final": [], "hourly": []}
     for record in instance.get_run_records(
-        filters=dg.RunsFilter(tags={"cdc/trigger": "offset_sensor"})
+        filters=dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_TRIGGER})
     ):
         run = record.dagster_run
         kind = (
             "refresh"
             if REFRESH_TAG in run.tags
             else "tier0_final"
-            if "dagster/priority" in run.tags
+            if run.tags.get(PRIORITY_TAG) == str(PRIORITIES["tier0"])
             else "hourly"
         )
         if record.start_time is None:
@@ -576,7 +579,7 @@ def _run_figures(instance, n: int) -> dict:
     """The sensor's tick, the runs, and each table-hour's time, from the instance."""
     import dagster as dg
 
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={"cdc/trigger": "offset_sensor"}))
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_TRIGGER}))
     per_table = []
     run_walls = []
     for run in runs:

@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours   # 10 hours of 200 changes
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --conf spark.sql.adaptive.enabled=true
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages   # and each stage's time
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --jobs     # the last hour's Spark jobs
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -16,7 +17,9 @@ tests; run it on an idle machine.
 
 `--stages` also times the hour run's stages (`cdc_assets.hour_run`) and the steps inside them
 that cost a Spark job or a Delta commit (`STAGES`), and prints each one's mean over the warm
-hours: a stage's time includes the steps listed under it.
+hours: a stage's time includes the steps listed under it. `--jobs` lists the Spark jobs of the
+last hour (Spark's status store: each job's time, stages, tasks, call site and description), to
+set against its wall time: the rest is the driver's work between jobs.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ STAGES = [
     ("cdc_assets.merge", "ensure_mirror_table", "  create or check the mirror"),
     ("cdc_assets.merge", "prior_rows", "  prior rows (the mirror under the hour's keys)"),
     ("delta.tables", "DeltaMergeBuilder.execute", "  MERGE"),
-    ("pyspark.sql", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
+    ("pyspark.sql.classic.dataframe", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
     ("cdc_assets.hour_run", "current_version", "  current version"),
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
@@ -179,12 +182,34 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def _jobs(spark) -> list:
+    """Spark's record of every job this session ran (its status store, kept for the UI)."""
+    listed = spark._jsparkSession.sparkContext().statusStore().jobsList(None)
+    return sorted((listed.apply(i) for i in range(listed.size())), key=lambda j: j.jobId())
+
+
+def _print_jobs(jobs: list, wall_s: float) -> None:
+    """One line per job: its time, stages, tasks, call site and description."""
+    total = 0
+    for job in jobs:
+        began, ended = job.submissionTime(), job.completionTime()
+        ms = ended.get().getTime() - began.get().getTime() if ended.isDefined() else 0
+        total += ms
+        what = job.description().get() if job.description().isDefined() else ""
+        print(
+            f"  job {job.jobId():4d} {ms:5d} ms, {job.stageIds().size()} stages, "
+            f"{job.numTasks()} tasks: {job.name()[:60]} | {what[:60]}"
+        )
+    print(f"  {len(jobs)} jobs, {total / 1000:.2f} s of the hour's {wall_s:.2f} s wall")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=int, default=10)
     parser.add_argument("--changes", type=int, default=200, help="changes per hour")
     parser.add_argument("--conf", action="append", default=[], help="KEY=VALUE, a Spark setting")
     parser.add_argument("--stages", action="store_true", help="time the hour run's stages")
+    parser.add_argument("--jobs", action="store_true", help="list the last hour's Spark jobs")
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -212,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         for hour in range(args.hours):
             key = (FIRST + timedelta(hours=hour)).strftime(HOUR_FORMAT)
             stages.append(defaultdict(float))
+            # The newest job id before the last hour (the store keeps only the newest jobs).
+            jobs_before = (
+                max((j.jobId() for j in _jobs(spark)), default=-1)
+                if args.jobs and hour == args.hours - 1
+                else None
+            )
             before = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             with _timed_stages(stages[-1]) if args.stages else _nothing():
                 result = run_hour(
@@ -222,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))
             failed = [c.check_name for c in result.expectations if not c.success]
             rows.append((wall, jvm_s, python_s, compiles))
+            if jobs_before is not None:
+                last_jobs = ([j for j in _jobs(spark) if j.jobId() > jobs_before], wall)
             print(
                 f"hour {hour}: {wall:5.2f} s wall, JVM {jvm_s:5.2f} s CPU, Python "
                 f"{python_s:4.2f} s CPU, {compiles:3d} classes compiled, "
@@ -236,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             f"JVM {means[1]:.2f} s CPU, Python {means[2]:.2f} s CPU, "
             f"{means[3]:.0f} classes compiled" + (f" (settings: {extra})" if extra else "")
         )
+        if args.jobs:
+            print(f"hour {args.hours - 1}'s Spark jobs:")
+            _print_jobs(*last_jobs)
         if args.stages:
             warm_stages = stages[WARM_FROM:] or stages
             for _, _, label in STAGES:

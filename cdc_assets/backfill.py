@@ -29,10 +29,11 @@ import time
 from collections.abc import Sequence
 
 from cdc_assets.hours import parse_hour_key
+from cdc_assets.partitions import TRIGGER_TAG
 from cdc_assets.webserver import Webserver, WebserverError, refuse_hours
 
 MIRRORS_GROUP = "cdc_mirrors"
-TRIGGER_TAG = {"key": "cdc/trigger", "value": "backfill_cli"}
+BACKFILL_TAG = {"key": TRIGGER_TAG, "value": "backfill_cli"}
 DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 SUCCEEDED = {"COMPLETED", "COMPLETED_SUCCESS"}
 
@@ -115,7 +116,7 @@ def launch(server: Webserver, tables: Sequence[str], first: str, last: str) -> s
             {"assetKey": {"path": [table]}, "partitions": {"range": {"start": first, "end": last}}}
             for table in tables
         ],
-        "tags": [TRIGGER_TAG],
+        "tags": [BACKFILL_TAG],
         "title": f"{', '.join(tables)}: {first} to {last}",
     }
     answer = server.query(LAUNCH, {"params": params})["launchPartitionBackfill"]

@@ -327,11 +327,10 @@ def _left_open(spec: TableSpec, outcome: TableRun, asked: Sequence[str]) -> Iter
     observation on that hour and on each hour of the run after it (open too), in the asset's
     events, saying why and what to do."""
     reason = f"not materialized by this run: {outcome.error}"
-    for hour in asked:
-        if outcome.failed_hour is not None and hour >= outcome.failed_hour:
-            yield dg.AssetObservation(
-                asset_key=dg.AssetKey(spec.name), partition=hour, metadata={"left_open": reason}
-            )
+    for hour in asked[asked.index(outcome.failed_hour) :]:
+        yield dg.AssetObservation(
+            asset_key=dg.AssetKey(spec.name), partition=hour, metadata={"left_open": reason}
+        )
 
 
 def _in_process_resources(specs: Sequence[TableSpec]) -> set[str]:

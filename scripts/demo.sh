@@ -90,8 +90,7 @@ scripts/install.sh --demo
 # run that starts before it is there starts without it (slower, not wrong; the archive is
 # written aside and renamed when whole). Its lines go to .local/install/archive.out.
 mkdir -p "$root/.local/install"
-nohup .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' \
-  < /dev/null >> "$root/.local/install/archive.out" 2>&1 &
+nohup scripts/install.sh --archive < /dev/null >> "$root/.local/install/archive.out" 2>&1 &
 export CDC_KAFKA_BOOTSTRAP_SERVERS
 CDC_KAFKA_BOOTSTRAP_SERVERS=$(.venv/bin/python -m devtools.kafka_broker start)
 

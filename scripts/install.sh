@@ -6,15 +6,26 @@
 # (→ .jars/jvm-archive/, resources/jvm_archive.py). Idempotent: a second run only checks. Needs
 # python3.11, java 17 and mvn on PATH, and Debian's apt-get and dpkg-deb.
 # `--demo`: only what the demo needs before its UI answers: no MariaDB (the tests' second CDC
-# source) and no class-data archive (scripts/demo.sh makes it beside the demo's start).
+# source) and no class-data archive; `--archive`: that archive alone, once the rest is installed
+# (scripts/demo.sh runs it beside the demo's start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The Spark driver's class-data archive (resources/jvm_archive.py): a session's JVM maps Spark's,
+# Delta's and Kafka's classes from it instead of loading them one by one. Made once per java and
+# class path (about a minute); without it a session starts as it would anyway, only slower.
+# It says itself when it makes one; Spark's output goes to .local/install/jvm-archive.log.
+make_archive() {
+  .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
+    echo "install: no class-data archive for the Spark driver (sessions start without one)" >&2
+}
 
 demo=false
 case "${1:-}" in
   --demo) demo=true ;;
+  --archive) make_archive; exit 0 ;;
   "") ;;
-  *) echo "usage: scripts/install.sh [--demo]" >&2; exit 2 ;;
+  *) echo "usage: scripts/install.sh [--demo|--archive]" >&2; exit 2 ;;
 esac
 
 # Each step that does something says so, then how long it took.
@@ -149,9 +160,4 @@ if [ ! -f "$store_jar" ]; then
   took "$t0"
 fi
 
-# The Spark driver's class-data archive (resources/jvm_archive.py): a session's JVM maps Spark's,
-# Delta's and Kafka's classes from it instead of loading them one by one. Made once per java and
-# class path (about a minute); without it a session starts as it would anyway, only slower.
-# It says itself when it makes one; Spark's output goes to .local/install/jvm-archive.log.
-$demo || .venv/bin/python -c 'import sys; from resources.jvm_archive import main; sys.exit(main())' ||
-  echo "install: no class-data archive for the Spark driver (sessions start without one)" >&2
+$demo || make_archive

@@ -184,7 +184,7 @@ def test_a_range_of_hours_of_two_tables_is_backfilled_from_the_command_line(
             assert materialized == set(keys), (table, materialized)
         runs = graphql(port, RUNS)["runsOrError"]["results"]
         # Every run is the backfill's (the sensor was off); hours_per_run (24) holds both hours.
-        assert runs and all(backfill.TRIGGER_TAG in r["tags"] for r in runs), runs
+        assert runs and all(backfill.BACKFILL_TAG in r["tags"] for r in runs), runs
         assert all(r["status"] == "SUCCESS" for r in runs), runs
         assert len(runs) == 1, runs
 
