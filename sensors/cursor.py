@@ -11,24 +11,30 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Cursor:
-    """What the sensor has requested: the oldest hour it still watches, and per watched hour
-    the slice (`fingerprint`) it requested last."""
+    """What the sensor has requested: the oldest hour it still watches, per watched hour the
+    slice (`fingerprint`) it requested last, and (tier-0 tables) the `refresh_minutes` slot whose
+    refresh it requested last, so a slot's refresh is requested and logged once."""
 
     watch_from: str | None = None
     requested: dict[str, str] = field(default_factory=dict)
+    refreshed: str | None = None
 
     @classmethod
     def parse(cls, raw: str | None) -> Cursor:
         if not raw:
             return cls()
         data = json.loads(raw)
-        return cls(watch_from=data.get("watch_from"), requested=dict(data.get("requested", {})))
+        return cls(
+            watch_from=data.get("watch_from"),
+            requested=dict(data.get("requested", {})),
+            refreshed=data.get("refreshed"),
+        )
 
     def dump(self) -> str:
-        return json.dumps(
-            {"watch_from": self.watch_from, "requested": dict(sorted(self.requested.items()))},
-            sort_keys=True,
-        )
+        data = {"watch_from": self.watch_from, "requested": dict(sorted(self.requested.items()))}
+        if self.refreshed:
+            data["refreshed"] = self.refreshed
+        return json.dumps(data, sort_keys=True)
 
 
 @dataclass

@@ -17,7 +17,7 @@ def test_a_table_cursor_round_trips_and_an_empty_one_is_a_fresh_start():
 def test_the_sensor_cursor_round_trips_with_stable_text():
     cursor = FleetCursor(
         tables={
-            "orders": Cursor("2026-11-04-09:00", {"2026-11-04-10:00": "0:1-2"}),
+            "orders": Cursor("2026-11-04-09:00", {"2026-11-04-10:00": "0:1-2"}, "2026-11-04T10:15"),
             "customers": Cursor(None, {}),
         },
         lag={"orders": [3, 1793700000]},
@@ -33,3 +33,9 @@ def test_a_cursor_stored_before_lag_was_recorded_still_parses():
     stored = json.dumps({"tables": {"orders": {"watch_from": "2026-11-04-09:00"}}})
     parsed = FleetCursor.parse(stored)
     assert parsed.tables == {"orders": Cursor("2026-11-04-09:00", {})} and parsed.lag == {}
+
+
+def test_a_cursor_stored_before_refresh_slots_still_parses_and_dumps_the_same():
+    stored = json.dumps({"requested": {}, "watch_from": "2026-11-04-09:00"}, sort_keys=True)
+    assert Cursor.parse(stored).refreshed is None
+    assert Cursor.parse(stored).dump() == stored

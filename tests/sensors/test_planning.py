@@ -163,3 +163,19 @@ def test_the_run_key_names_the_table_the_hours_and_the_end_offsets():
     assert both.run_key("t").startswith(f"t:{KEYS[0]}..{KEYS[1]}:ends[0=2]:")
     other = HourRange((hours[0], HourState(KEYS[1], {0: 1}, {0: 2}, False, None)))
     assert other.run_key("t") == both.run_key("t")  # the slices decide, not how they closed
+
+
+def test_a_tier0_tables_open_hours_are_refreshed_once_per_slot():
+    spec = _spec().model_copy(update={"refresh_minutes": 15})
+    progress = _progress([{0: 0}, {0: 5}], ends={0: 9})
+    now = H0 + HOUR + timedelta(minutes=20)
+    first = _plan(progress, now=now, spec=spec)
+    assert first.refresh == [KEYS[1]] and first.cursor.refreshed == "2026-11-04T09:15"
+    # The same slot again: nothing to refresh, the slot kept.
+    again = _plan(progress, first.cursor, now=now + timedelta(minutes=9), spec=spec)
+    assert again.refresh == [] and again.cursor.refreshed == "2026-11-04T09:15"
+    # The next slot: refreshed again.
+    later = _plan(progress, again.cursor, now=now + timedelta(minutes=10), spec=spec)
+    assert later.refresh == [KEYS[1]] and later.cursor.refreshed == "2026-11-04T09:30"
+    # An hourly table never.
+    assert _plan(progress, now=now).refresh == []
