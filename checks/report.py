@@ -13,8 +13,9 @@ an older result. It prints one line per hour with one column per check, then the
 checks with their descriptions, and with `--json` also writes every result with its metadata.
 
 The metadata is what the checks record: counts, offsets, thresholds, never row values.
-When no check has a result in the range, it says which of the table's hours the instance has
-and exits 1.
+It exits 1 when a check of severity ERROR failed in the range (a WARN one is reported only),
+and when no check has a result in the range, saying then which of the table's hours the
+instance has.
 """
 
 from __future__ import annotations
@@ -308,8 +309,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: exit 0 with the report printed, 1 when no check of the range has a result
-    (saying which hours the instance has), 2 on a setting to fix."""
+    """The command: exit 0 with the report printed, 1 when a check of severity ERROR failed in
+    the range or no check of it has a result (saying which hours the instance has), 2 on a
+    setting to fix."""
     args = _parser().parse_args(argv)
     try:
         hours = hour_range(args.first, args.last)
@@ -334,6 +336,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nWrote {len(rows)} results to {args.json_path}")  # noqa: T201
     if nothing:
         sys.stderr.write(f"checks.report: {nothing}\n")
+        return 1
+    failed = sum(row["status"] == FAILED_ERROR for row in rows)
+    if failed:
+        # A failed ERROR check needs a person (a WARN one is reported, not a failure).
+        sys.stderr.write(
+            f"checks.report: {failed} check result(s) of severity ERROR failed in the range\n"
+        )
         return 1
     return 0
 

@@ -309,8 +309,12 @@ def test_report_reads_what_the_hourly_runs_recorded(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DAGSTER_HOME", home.name)
     argv = ["--table", spec.name, "--from", H1, "--to", H3, "--json", str(report_path)]
-    assert main([*argv, "--tables-file", str(tables_file)]) == 0
-    out = capsys.readouterr().out
+    # A failed ERROR check in the range: exit 1, saying so (WARN ones are only reported).
+    assert main([*argv, "--tables-file", str(tables_file)]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    errors = sum(row["status"] == FAILED_ERROR for row in rows)
+    assert f"{errors} check result(s) of severity ERROR failed" in captured.err
     written = json.loads(report_path.read_text())
     assert written == {"table": spec.name, "from": H1, "to": H3, "rows": rows}
     header = next(line for line in out.splitlines() if line.startswith("hour"))
