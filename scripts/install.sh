@@ -31,6 +31,20 @@ esac
 # Each step that does something says so, then how long it took.
 took() { echo "install:   done in $((SECONDS - $1)) s"; }
 
+# A tool's own output (pip's notes on the editable build, Maven's colour codes) goes to
+# .local/install/NAME.log; its last lines are shown when it fails.
+#   logged NAME COMMAND...
+logged() {
+  local name=$1 log=.local/install/$1.log
+  shift
+  mkdir -p .local/install
+  if ! "$@" >>"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "install: $name failed (its whole output: $log)" >&2
+    exit 1
+  fi
+}
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 command -v java >/dev/null || { echo "install: java (17+) is not on PATH" >&2; exit 1; }
@@ -41,8 +55,8 @@ if [ ! -f "$stamp" ]; then
   echo "install: Python packages into .venv (pinned in pyproject.toml)"
   t0=$SECONDS
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev,bench]"
+  logged pip .venv/bin/python -m pip install --quiet --upgrade pip
+  logged pip .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev,bench]"
   rm -f .venv/.installed-* && touch "$stamp"
   took "$t0"
 fi
@@ -52,7 +66,7 @@ if [ ! -f "$jar_stamp" ]; then
   echo "install: JVM jars from Maven Central into .jars/ (pom.xml)"
   t0=$SECONDS
   rm -rf .jars
-  mvn --batch-mode --quiet package
+  logged mvn mvn --batch-mode --quiet package
   touch "$jar_stamp"
   took "$t0"
 fi
