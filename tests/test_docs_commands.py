@@ -19,11 +19,13 @@ need no running service:
 - `openssl rand -hex 32`.
 
 Checked only, because they start servers, run for minutes, or need what a test can't have:
+- `.venv/bin/pip install` of an extra (docs/ui.md): the extras and the constraints file named
+  must exist in the checkout (it downloads);
 - `scripts/demo.sh` (Kafka, Postgres, Kafka Connect, Dagster; flags against its usage line),
   `scripts/install.sh` (downloads; it must exist and be executable), `scripts/bench.sh` and
   `python -m benchmarks.*` (minutes to an hour; arguments parsed by the module's own parser);
 - `python -m MODULE ...` that needs a broker, a webserver or a database (`cdc_assets.backfill`,
-  `cdc_assets.error_replay`, `demo.ui_materialize`, `devtools.postgres`,
+  `cdc_assets.error_replay`, `demo.ui_materialize`, `demo.screenshots`, `devtools.postgres`,
   `devtools.spark_cluster`): the module's own argparse parser must accept the arguments;
 - `scripts/test.sh ARGS` and `python -m pytest ARGS` (the suite takes an hour): pytest must
   collect at least one test with those arguments;
@@ -32,6 +34,15 @@ Checked only, because they start servers, run for minutes, or need what a test c
 - commands with placeholders (`...`, `<table>`, `[--flag]`, `a|b`) are synopses: the program
   must exist and its help must list every option shown;
 - `docker` and `aws` (docs/emr.md): need Docker and an AWS account; not checked, listed here.
+
+Against a started demo the parse-only commands were run by hand, as written, on a fresh clone
+(2026-11-28, `3f9f99c`): run and succeeded: README's `demo.ui_materialize` (the first hour),
+`cdc_assets.backfill` (three hours of two tables), docs/tables.md's `error_replay --dry-run`,
+docs/deploy.md's `dagster instance concurrency set` and docs/operations.md's `schedule start`;
+`checks.report` printed the table and exited 1 (a failed ERROR check in the range); refused
+before launching, saying why and what to do: docs/deploy.md's backfill of 2026-11-21 (before the
+table's first hour, naming it), `ui_materialize` of the open hour (`force_open_hour`) and of a
+future hour (the newest hour). `demo.screenshots` made docs/screenshots/.
 
 The `python` blocks must compile; the readers' snippets (README, docs/reading.md) are what
 tests/cdc_assets/test_readers.py runs against real mirrors. The whole module takes about a
@@ -128,6 +139,7 @@ PARSE_ONLY_MODULES = {
     "cdc_assets.backfill",
     "cdc_assets.error_replay",
     "demo.ui_materialize",
+    "demo.screenshots",
     "devtools.postgres",
     "devtools.spark_cluster",
     "benchmarks.run",
@@ -155,6 +167,8 @@ def rule(command: Command) -> str:
         return "run"
     if first in ("scripts/demo.sh", "scripts/install.sh"):
         return "script"
+    if first == ".venv/bin/pip" and words[1:2] == ["install"]:
+        return "pip"
     if first == "scripts/bench.sh":
         return "parse"
     if first == "scripts/test.sh" or (_module(command) or ("",))[0] == "pytest":
@@ -302,6 +316,21 @@ def test_scripts_exist_and_take_the_flags_used(command: Command):
         assert set(command.program[1:]) <= set(usage.group(1).split("|")), command.text
     else:
         assert command.program[1:] == [], command.text
+
+
+@pytest.mark.parametrize("command", _of("pip"), ids=_ids(_of("pip")))
+def test_pip_installs_name_extras_and_constraints_that_exist(command: Command):
+    import tomllib
+
+    words = command.program
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for word in words:
+        if match := re.fullmatch(r"\.\[([\w,]+)\]", word):
+            assert set(match.group(1).split(",")) <= set(extras), command.text
+    if "--constraint" in words:
+        assert (REPO / words[words.index("--constraint") + 1]).is_file(), command.text
 
 
 @pytest.mark.parametrize("command", _of("pytest"), ids=_ids(_of("pytest")))
