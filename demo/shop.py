@@ -360,6 +360,8 @@ def up(
             flush=True,
         )
     kafka_connect.set_clock(worker, datetime.now(UTC))
+    # The hour followed from now on has its changes in Kafka too: a restart must not seed it.
+    _mark_written(connection, datetime.now(UTC))
     with connection.cursor() as cursor:
         cursor.execute("SELECT hour FROM demo_meta.seeded")
         seeded = {row[0] for row in cursor.fetchall()}
@@ -415,11 +417,24 @@ def _follow(shop: Shop, changes_per_hour: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     pause = 3600 / max(_steps_per_hour(changes_per_hour), 1)
+    marked = None
     while not stop:
-        shop.step(datetime.now(UTC))
+        now = datetime.now(UTC)
+        if now.hour != marked:
+            _mark_written(shop.sql, now)
+            marked = now.hour
+        shop.step(now)
         if shop.random.random() < 0.01:
             _held_transaction(shop)
         time.sleep(pause)
+
+
+def _mark_written(connection, moment: datetime) -> None:
+    """Records `moment`'s hour as one whose changes are in Kafka (`demo_meta.seeded`: seeded, or
+    followed live), so a restart seeds only the hours nobody wrote."""
+    hour = moment.replace(minute=0, second=0, microsecond=0)
+    with connection, connection.cursor() as cursor:
+        cursor.execute("INSERT INTO demo_meta.seeded VALUES (%s) ON CONFLICT DO NOTHING", (hour,))
 
 
 def _held_transaction(shop: Shop) -> None:
