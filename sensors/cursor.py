@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 @dataclass
 class Cursor:
     """What the sensor has requested: the oldest hour it still watches, per watched hour the
-    slice (`fingerprint`) it requested last, and (tier-0 tables) the `refresh_minutes` slot whose
-    refresh it requested last, so a slot's refresh is requested and logged once."""
+    slice (`fingerprint`) it requested last, and (tier-0 tables) the `refresh_minutes` slot and
+    newest open hour of the refresh it requested last ("<slot> <hour>"), so a slot's refresh
+    is requested and logged once."""
 
     watch_from: str | None = None
     requested: dict[str, str] = field(default_factory=dict)

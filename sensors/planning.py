@@ -140,19 +140,18 @@ def plan_tick(
     settled_until = _settled_until(hours, now=now, watch_from=watch_from, watch_hours=watch_hours)
     kept = {k: v for k, v in requested.items() if hour_start(k) >= settled_until}
     # A slot's refresh once: the run key would let Dagster drop a repeat anyway, but each tick
-    # would log it again and show "0 runs requested" without saying why.
-    slot = refresh_slot(spec, now)
-    refresh = (
-        []
-        if cursor.refreshed == slot
-        else refresh_hours(spec, hours, now=now, watch_from=watch_from)
-    )
+    # would log it again and show "0 runs requested" without saying why. The mark names the
+    # newest open hour too: a slot that runs across an hour's start (`refresh_minutes` not
+    # dividing 60) still refreshes the hour that opened in it.
+    due = refresh_hours(spec, hours, now=now, watch_from=watch_from)
+    mark = f"{refresh_slot(spec, now)} {due[-1]}" if due else None
+    refresh = due if mark != cursor.refreshed else []
     return TickPlan(
         ranges=ranges,
         cursor=Cursor(
             watch_from=hour_key(settled_until),
             requested=kept,
-            refreshed=slot if refresh else cursor.refreshed,
+            refreshed=mark if refresh else cursor.refreshed,
         ),
         hours=hours,
         waiting=waiting,

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from cdc_assets.config import TableSpec
 from sensors.cursor import Cursor
 from sensors.hours import HOUR, hour_key
-from sensors.planning import HourRange, HourState, plan_tick
+from sensors.planning import HourRange, HourState, plan_tick, refresh_slot
 from sensors.topic_reads import TopicProgress
 
 H0 = datetime(2026, 11, 4, 8, tzinfo=UTC)
@@ -170,12 +170,26 @@ def test_a_tier0_tables_open_hours_are_refreshed_once_per_slot():
     progress = _progress([{0: 0}, {0: 5}], ends={0: 9})
     now = H0 + HOUR + timedelta(minutes=20)
     first = _plan(progress, now=now, spec=spec)
-    assert first.refresh == [KEYS[1]] and first.cursor.refreshed == "2026-11-04T09:15"
-    # The same slot again: nothing to refresh, the slot kept.
+    assert first.refresh == [KEYS[1]] and first.cursor.refreshed == f"2026-11-04T09:15 {KEYS[1]}"
+    # The same slot again: nothing to refresh, the mark kept.
     again = _plan(progress, first.cursor, now=now + timedelta(minutes=9), spec=spec)
-    assert again.refresh == [] and again.cursor.refreshed == "2026-11-04T09:15"
+    assert again.refresh == [] and again.cursor.refreshed == first.cursor.refreshed
     # The next slot: refreshed again.
     later = _plan(progress, again.cursor, now=now + timedelta(minutes=10), spec=spec)
-    assert later.refresh == [KEYS[1]] and later.cursor.refreshed == "2026-11-04T09:30"
+    assert later.refresh == [KEYS[1]] and later.cursor.refreshed == f"2026-11-04T09:30 {KEYS[1]}"
     # An hourly table never.
     assert _plan(progress, now=now).refresh == []
+
+
+def test_an_hour_opening_inside_a_refresh_slot_is_refreshed_in_it():
+    """45-minute slots run across an hour's start: the hour that opens in one is refreshed
+    then, not at the next slot."""
+    spec = _spec(lateness=0).model_copy(update={"refresh_minutes": 45})
+    progress = _progress([{0: 0}, {0: 5}, {0: 9}], ends={0: 9})
+    before = H0 + HOUR + timedelta(minutes=50)  # 09:50, in the slot that ends at 10:30
+    first = _plan(progress, now=before, spec=spec)
+    assert first.refresh == [KEYS[1]]
+    after = H0 + 2 * HOUR + timedelta(minutes=5)  # 10:05: same slot, hour 10:00 is open now
+    assert refresh_slot(spec, before) == refresh_slot(spec, after)
+    again = _plan(progress, first.cursor, now=after, spec=spec)
+    assert again.refresh and again.refresh[-1] == KEYS[2]
