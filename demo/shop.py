@@ -360,8 +360,6 @@ def up(
             flush=True,
         )
     kafka_connect.set_clock(worker, datetime.now(UTC))
-    # The hour followed from now on has its changes in Kafka too: a restart must not seed it.
-    _mark_written(connection, datetime.now(UTC))
     with connection.cursor() as cursor:
         cursor.execute("SELECT hour FROM demo_meta.seeded")
         seeded = {row[0] for row in cursor.fetchall()}
@@ -420,21 +418,29 @@ def _follow(shop: Shop, changes_per_hour: int) -> None:
     marked = None
     while not stop:
         now = datetime.now(UTC)
-        if now.hour != marked:
-            _mark_written(shop.sql, now)
-            marked = now.hour
+        marked = _mark_followed(shop.sql, marked, now)
         shop.step(now)
         if shop.random.random() < 0.01:
             _held_transaction(shop)
         time.sleep(pause)
 
 
-def _mark_written(connection, moment: datetime) -> None:
-    """Records `moment`'s hour as one whose changes are in Kafka (`demo_meta.seeded`: seeded, or
-    followed live), so a restart seeds only the hours nobody wrote."""
-    hour = moment.replace(minute=0, second=0, microsecond=0)
+def _mark_followed(connection, marked: datetime | None, now: datetime) -> datetime:
+    """Records the hours the shop has followed, up to `now`'s, as hours a restart must not
+    seed (`demo_meta.seeded`: their changes, or their lack of any while the machine slept, are
+    in Kafka at their time); `marked` is the newest recorded. Returns `now`'s hour."""
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    if marked == hour:
+        return hour
+    hours = [hour]
+    while marked is not None and hours[-1] - timedelta(hours=1) > marked:
+        hours.append(hours[-1] - timedelta(hours=1))
     with connection, connection.cursor() as cursor:
-        cursor.execute("INSERT INTO demo_meta.seeded VALUES (%s) ON CONFLICT DO NOTHING", (hour,))
+        for followed in hours:
+            cursor.execute(
+                "INSERT INTO demo_meta.seeded VALUES (%s) ON CONFLICT DO NOTHING", (followed,)
+            )
+    return hour
 
 
 def _held_transaction(shop: Shop) -> None:
