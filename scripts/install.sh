@@ -32,15 +32,21 @@ esac
 took() { echo "install:   done in $((SECONDS - $1)) s"; }
 
 # A tool's own output (pip's notes on the editable build, Maven's colour codes) goes to
-# .local/install/NAME.log; its last lines are shown when it fails.
+# .local/install/NAME.log, written anew by each install; its last lines are shown when it fails.
 #   logged NAME COMMAND...
+logged_names=" "
 logged() {
   local name=$1 log=.local/install/$1.log
   shift
   mkdir -p .local/install
+  if [[ $logged_names != *" $name "* ]]; then
+    : >"$log"
+    logged_names+="$name "
+  fi
+  echo "\$ $*" >>"$log"
   if ! "$@" >>"$log" 2>&1; then
     tail -n 40 "$log" >&2
-    echo "install: $name failed (its whole output: $log)" >&2
+    echo "install: $name failed (its output: $log)" >&2
     exit 1
   fi
 }
@@ -56,7 +62,9 @@ if [ ! -f "$stamp" ]; then
   t0=$SECONDS
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   logged pip .venv/bin/python -m pip install --quiet --upgrade pip
-  logged pip .venv/bin/python -m pip install --quiet --constraint constraints.txt -e ".[dev,bench]"
+  logged pip .venv/bin/python -m pip install --constraint constraints.txt -e ".[dev,bench]"
+  # A conflict pip's resolver only warns about (exit 0) fails the install here.
+  logged pip .venv/bin/python -m pip check
   rm -f .venv/.installed-* && touch "$stamp"
   took "$t0"
 fi
@@ -66,7 +74,7 @@ if [ ! -f "$jar_stamp" ]; then
   echo "install: JVM jars from Maven Central into .jars/ (pom.xml)"
   t0=$SECONDS
   rm -rf .jars
-  logged mvn mvn --batch-mode --quiet package
+  logged mvn mvn --batch-mode package
   touch "$jar_stamp"
   took "$t0"
 fi
