@@ -14,6 +14,8 @@ appears is an error naming the page (exit 1), not a blank picture.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import sys
 import urllib.request
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-# Stands for the newest closed hour's partition key in `Page.click`.
-LAST_CLOSED = "{last_closed}"
+# Dagster's placeholder while a cell's data loads ("Loading..." in the asset list).
+LOADING = re.compile(r"^\s*Loading(\.\.\.|…)?\s*$")
+
+# Stands for a materialized hour's partition key in `Page.click` (`settled_hour`).
+SETTLED = "{settled}"
 
 
 @dataclass(frozen=True)
@@ -51,17 +56,18 @@ PAGES = [
         "customers-partitions",
         "/assets/customers?view=partitions",
         "kafka_offsets",
-        click=LAST_CLOSED,
+        click=SETTLED,
     ),
     Page("customers-checks", "/assets/customers?view=checks", "primary_key_unique"),
     Page("orders-plots", "/assets/orders", "rows_inserted", click="Plots"),
 ]
 
 
-def last_closed_hour(now: datetime | None = None) -> str:
-    """The newest closed hour's partition key (the hour before the current one, UTC)."""
+def settled_hour(now: datetime | None = None) -> str:
+    """The partition key of the hour before the newest closed one (UTC): materialized on a demo
+    that has run a while, where the newest closed hour waits for its lateness and its run."""
     now = now or datetime.now(UTC)
-    hour = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    hour = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
     return hour.strftime("%Y-%m-%d-%H:%M")
 
 
@@ -94,15 +100,15 @@ def take_all(
     base: str, pages: list[Page], out: Path, *, timeout_s: float, width: int, height: int
 ) -> list[str]:
     """Each page as `out/<name>.png`; returns the names of the pages that never drew."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     failed: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=chromium(),
-            # As root on a server chromium refuses its sandbox; the pages are our own UI.
-            args=["--no-sandbox", "--disable-gpu"],
+            # As root chromium refuses to start with its sandbox; the pages are our own UI.
+            args=["--disable-gpu", *(["--no-sandbox"] if os.geteuid() == 0 else [])],
         )
         try:
             context = browser.new_context(viewport={"width": width, "height": height})
@@ -111,23 +117,24 @@ def take_all(
                 try:
                     page.goto(base + page_spec.path, wait_until="domcontentloaded")
                     if page_spec.click:
-                        text = page_spec.click.replace(LAST_CLOSED, last_closed_hour())
+                        text = page_spec.click.replace(SETTLED, settled_hour())
                         page.get_by_text(text, exact=True).nth(page_spec.click_nth).click(
                             timeout=timeout_s * 1000
                         )
                     page.get_by_text(page_spec.wait_for).first.wait_for(timeout=timeout_s * 1000)
                     # Lists and charts draw in a step after their text; status cells load apart.
-                    page.get_by_text("Loading").first.wait_for(
+                    page.get_by_text(LOADING).first.wait_for(
                         state="hidden", timeout=timeout_s * 1000
                     )
                     page.wait_for_timeout(2000)
                     target = out / f"{page_spec.name}.png"
                     page.screenshot(path=str(target))
                     print(f"{target}: {base}{page_spec.path}")
-                except PlaywrightTimeout:
+                except PlaywrightError as exc:  # a timeout, or the page's navigation failed
                     print(
                         f"demo.screenshots: {page_spec.name} ({base}{page_spec.path}) never drew "
-                        f"{page_spec.wait_for!r} within {timeout_s:.0f} s",
+                        f"{page_spec.wait_for!r} within {timeout_s:.0f} s: "
+                        f"{str(exc).splitlines()[0]}",
                         file=sys.stderr,
                     )
                     failed.append(page_spec.name)

@@ -25,6 +25,6 @@ def test_refuses_with_exit_2_naming_what_is_missing(capsys):
     ), err
 
 
-def test_the_newest_closed_hour_is_the_one_before_the_current():
+def test_the_partition_it_selects_is_the_hour_before_the_newest_closed_one():
     now = datetime(2026, 11, 28, 0, 5, tzinfo=UTC)
-    assert screenshots.last_closed_hour(now) == "2026-11-27-23:00"
+    assert screenshots.settled_hour(now) == "2026-11-27-22:00"
