@@ -304,19 +304,14 @@ def up(
     follow: bool = True,
     tables_file: Path | None = None,
 ) -> None:
-    """Starts the source, the worker and the connector, seeds missing hours, writes the demo's
-    tables file (`tables_file`, default TABLES_FILE), then follows."""
+    """Starts the source, writes the demo's tables file (`tables_file`, default TABLES_FILE),
+    starts the worker and the connector, seeds the missing hours, then follows."""
     password = secrets.token_urlsafe(18)
     source = _source_config()
     postgres.start(source, password)
     connection = postgres.connect(source, password)
     with connection, connection.cursor() as cursor:
         cursor.execute(SCHEMA)
-    worker = _worker(bootstrap, password)
-    # Restarted every time: the password is new, and the worker gets it from its environment.
-    kafka_connect.stop(worker)
-    kafka_connect.start(worker)
-    shop = Shop(connection, steps_per_hour=_steps_per_hour(changes_per_hour))
     now = datetime.now(UTC)
     closed = [
         now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=n)
@@ -326,6 +321,17 @@ def up(
         cursor.execute("SELECT hour FROM demo_meta.seeded")
         seeded = {row[0] for row in cursor.fetchall()}
     missing = [hour for hour in closed if hour not in seeded]
+    # Written before the slow part (Kafka Connect, the seeding): scripts/demo.sh starts the
+    # webserver on it meanwhile. The first hour is the first of those seeded and to seed.
+    path = write_tables_file(
+        demo_first_hour(seeded | set(missing), now), tables_file or TABLES_FILE
+    )
+    print(f"tables file: {path}", flush=True)
+    worker = _worker(bootstrap, password)
+    # Restarted every time: the password is new, and the worker gets it from its environment.
+    kafka_connect.stop(worker)
+    kafka_connect.start(worker)
+    shop = Shop(connection, steps_per_hour=_steps_per_hour(changes_per_hour))
     existing = kafka_connect.topic_sizes(bootstrap, list(topics().values()))
     expected = Counter({table: existing[topic] for table, topic in topics().items()})
     if missing:
@@ -360,10 +366,6 @@ def up(
             flush=True,
         )
     kafka_connect.set_clock(worker, datetime.now(UTC))
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT hour FROM demo_meta.seeded")
-        seeded = {row[0] for row in cursor.fetchall()}
-    write_tables_file(demo_first_hour(seeded, now), tables_file or TABLES_FILE)
     print(f"following: about {changes_per_hour} changes per table and hour", flush=True)
     if follow:
         _follow(shop, changes_per_hour)

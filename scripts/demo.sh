@@ -39,9 +39,9 @@ alive() {
   [[ -n $stat && $stat != Z* ]]
 }
 
-# Whether the shop's log has said it follows the clock since line $1.
-shop_up() {
-  awk -v from="$1" 'NR >= from && /following:/ { up = 1; exit } END { exit !up }' "$shop_log"
+# Whether the shop's log has said $2 (an awk pattern) since line $1.
+shop_said() {
+  awk -v from="$1" "NR >= from && $2 { found = 1; exit } END { exit !found }" "$shop_log"
 }
 
 stop_shop() {
@@ -95,10 +95,35 @@ export CDC_KAFKA_BOOTSTRAP_SERVERS
 CDC_KAFKA_BOOTSTRAP_SERVERS=$(.venv/bin/python -m devtools.kafka_broker start)
 
 mkdir -p "$demo_dir"
-trap stop_shop EXIT
+web_pid=
+stop_all() {
+  if [ -n "$web_pid" ]; then kill -TERM "$web_pid" 2>/dev/null || true; fi
+  stop_shop
+}
+trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
+
+# Waits until the shop's log says $2 (an awk pattern) since line $1; a shop that exits or takes
+# 5 minutes makes the demo stop with the shop's own lines.
+await_shop() {
+  local from=$1 pattern=$2
+  for _ in $(seq 1 3000); do
+    shop_said "$from" "$pattern" && return 0
+    if ! alive "$pid"; then
+      echo "demo: the shop did not start:" >&2
+      tail -n "+$from" "$shop_log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  echo "demo: the shop did not start within 5 minutes:" >&2
+  tail -n "+$from" "$shop_log" >&2
+  exit 1
+}
+
+log_start=
 if pid=$(shop_pid); then
   echo "demo: the shop workload already runs (pid $pid)"
 else
@@ -111,23 +136,8 @@ else
     < /dev/null >> "$shop_log" 2>&1 &
   pid=$!
   echo "$pid" > "$shop_pid_file"
-  # Up once it says so; a source that cannot start makes it exit with the reason.
-  for _ in $(seq 1 3000); do
-    shop_up "$log_start" && break
-    if ! alive "$pid"; then
-      echo "demo: the shop did not start:" >&2
-      tail -n "+$log_start" "$shop_log" >&2
-      exit 1
-    fi
-    sleep 0.1
-  done
-  if ! shop_up "$log_start"; then
-    echo "demo: the shop did not start within 5 minutes:" >&2
-    tail -n "+$log_start" "$shop_log" >&2
-    exit 1
-  fi
-  awk -v from="$log_start" 'NR >= from && /seeded:|following:/ { print "demo: shop " $0 }' \
-    "$shop_log"
+  # The shop writes the tables file first, before Kafka Connect and the seeding (the slow part).
+  await_shop "$log_start" "/tables file:/"
 fi
 # The demo's tables, their partitions starting at the demo's first hour (demo/shop.py writes it).
 export CDC_TABLES_FILE=$demo_dir/tables.yaml
@@ -139,6 +149,12 @@ mkdir -p "$DAGSTER_HOME"
 # the first tick's runs would all start at once (docs/deploy.md, one writer per table).
 .venv/bin/dagster instance concurrency set cdc_mirrors 1 >/dev/null
 .venv/bin/dagster instance concurrency set cdc_mirrors_tier0 1 >/dev/null
+# The webserver (the UI) as soon as the tables file is there; the daemon (sensors, run queue)
+# once the shop follows the clock, so that its first tick finds the seeded hours whole instead
+# of launching runs of half-seeded ones. Both as in production (docs/deploy.md), on this
+# instance; `dagster dev` would start the two together.
+.venv/bin/dagster-webserver -w workspace.yaml -h 127.0.0.1 -p "$port" &
+web_pid=$!
 echo
 echo "  Dagster UI:  http://127.0.0.1:$port   (assets: customers, orders, order_items)"
 echo "  Source:      Postgres on 127.0.0.1:15433 (database shop), Debezium in Kafka Connect"
@@ -147,5 +163,14 @@ echo "               log: $shop_log"
 echo "  Each hour is materialized once it closes; older hours from an asset's Partitions tab."
 echo "  Lake: $CDC_LAKE_ROOT   Broker log: $CDC_KAFKA_DATA_DIR/logs"
 echo
-# Not exec: the EXIT trap stops the workload when Dagster stops (Ctrl-C).
-.venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "$port"
+if [ -n "$log_start" ]; then
+  await_shop "$log_start" "/following:/"
+  awk -v from="$log_start" 'NR >= from && /seeded:|following:/ { print "demo: shop " $0 }' \
+    "$shop_log"
+fi
+if ! alive "$web_pid"; then
+  echo "demo: the webserver exited (its lines are above)" >&2
+  exit 1
+fi
+# Not exec: the EXIT trap stops the webserver and the workload when the daemon stops (Ctrl-C).
+.venv/bin/dagster-daemon run -w workspace.yaml
