@@ -14,7 +14,9 @@ A Kafka that does not answer fails the tick within `kafka_timeout_seconds`, nami
 the bootstrap servers; the cursor stays where it was, so the next tick starts over.
 
 Tier-0 tables (`refresh_minutes`) also get a refresh of their open hours once per slot of that
-many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`. Their
+many minutes, the tables due in the same hour and slot in one run tagged `cdc/refresh`, and
+none while a refresh of the table is still queued or running (back-to-back refreshes would
+keep the hour's final run, below them in the queue, waiting). Their
 runs (refreshes and final runs) are requested apart from the hourly tables' runs: they hold
 the tier-0 pool (`cdc_assets.partitions`). The run queue launches refreshes first, then the
 tier-0 tables' final runs, then the hourly tables' (`dagster/priority`, `PRIORITIES`), and
@@ -127,8 +129,16 @@ def _tick(
         timeout_seconds=kafka_timeout_seconds,
         what=f"table {_table_names(specs)}, bootstrap servers {kafka.bootstrap_servers}",
     )
+    refreshing = _refreshing(context) if any(spec.refresh_minutes for spec in specs) else set()
     together, waiting, events, refreshes = _plan_tables(
-        context, specs, watches, progress, cursor, now=now, watch_hours=watch_hours
+        context,
+        specs,
+        watches,
+        progress,
+        cursor,
+        now=now,
+        watch_hours=watch_hours,
+        refreshing=refreshing,
     )
     runs = _split(together, tables_per_run)
     requests = [_run_request(span, tables) for _, span, tables in runs]
@@ -180,6 +190,7 @@ def _plan_tables(
     *,
     now: datetime,
     watch_hours: int,
+    refreshing: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[Together, list[str], list[dg.AssetObservation], Refreshes]:
     """Plans each table's hours, table by table, and updates its cursor and lag in `cursor`.
 
@@ -197,7 +208,16 @@ def _plan_tables(
             context.log.error(str(found))
             waiting.append(f"{spec.name}: {found}")
             continue
-        plan = _plan_table(context, spec, watch, found, cursor, now=now, watch_hours=watch_hours)
+        plan = _plan_table(
+            context,
+            spec,
+            watch,
+            found,
+            cursor,
+            now=now,
+            watch_hours=watch_hours,
+            refresh_in_flight=spec.name in refreshing,
+        )
         if plan is None:
             waiting.append(f"{spec.name}: no message since {spec.start_hour}")
         else:
@@ -224,6 +244,7 @@ def _plan_table(
     *,
     now: datetime,
     watch_hours: int,
+    refresh_in_flight: bool = False,
 ) -> TickPlan | None:
     """The table's plan for this tick (`plan_tick`); None while its topic holds no message
     since the table's first hour."""
@@ -239,7 +260,25 @@ def _plan_table(
         watch_from=watch_from,
         watch_hours=watch_hours,
         already_materialized=lambda hours: _materialized_with_slice(context, key, hours),
+        refresh_in_flight=refresh_in_flight,
     )
+
+
+# A run in one of these states holds or waits for its pool's slot.
+_IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def _refreshing(context: dg.SensorEvaluationContext) -> set[str]:
+    """The tables with a refresh queued or running (one query of the instance's run table)."""
+    runs = context.instance.get_runs(
+        filters=dg.RunsFilter(statuses=_IN_FLIGHT, tags={REFRESH_TAG: "true"})
+    )
+    return {key.to_user_string() for run in runs for key in (run.asset_selection or ())}
 
 
 def _split(

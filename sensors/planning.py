@@ -126,8 +126,13 @@ def plan_tick(
     watch_from: datetime,
     watch_hours: int,
     already_materialized: Callable[[list[HourState]], set[str]],
+    refresh_in_flight: bool = False,
 ) -> TickPlan:
-    """Which hours to request, and the cursor after this tick. Pure, given the Kafka reads."""
+    """Which hours to request, and the cursor after this tick. Pure, given the Kafka reads.
+    `refresh_in_flight`: a refresh of the table is queued or running; no other is requested
+    until it ends (it reads up to where Kafka is when it starts, so a second one queued behind
+    it adds nothing, and refreshes queued back to back would keep the hour's final run, which
+    ranks below them in the queue, waiting)."""
     lateness = timedelta(minutes=spec.allowed_lateness_minutes)
     hours, waiting = _closed_hours(progress, now=now, watch_from=watch_from, lateness=lateness)
 
@@ -145,7 +150,7 @@ def plan_tick(
     # dividing 60) still refreshes the hour that opened in it.
     due = refresh_hours(spec, hours, now=now, watch_from=watch_from)
     mark = f"{refresh_slot(spec, now)} {due[-1]}" if due else None
-    refresh = due if mark != cursor.refreshed else []
+    refresh = due if mark != cursor.refreshed and not refresh_in_flight else []
     return TickPlan(
         ranges=ranges,
         cursor=Cursor(

@@ -304,6 +304,30 @@ def test_a_tier0_table_gets_a_refresh_of_its_open_hours_once_per_slot(
         assert spec.name in again.skip_reason.skip_message
 
 
+def test_no_refresh_is_requested_while_one_of_the_table_is_in_flight(
+    create_topic, send, topic_prefix, kafka, instance
+):
+    """A refresh queued behind a long run covers what the next slot's would read: none is
+    added behind it, so refreshes never queue back to back ahead of the hour's final run."""
+    topic = create_topic(f"{topic_prefix}-busy", partitions=1)
+    spec = _spec(topic, lateness=600).model_copy(update={"refresh_minutes": 15})
+    send(topic, b"a", b"{}", _at(4, 10), partition=0)
+    mirror = dg.asset(name=spec.name)(lambda: None)
+    queued = instance.create_run_for_job(
+        job_def=dg.Definitions(
+            assets=[mirror], jobs=[dg.define_asset_job("j", selection="*")]
+        ).resolve_job_def("j"),
+        asset_selection=frozenset({dg.AssetKey(spec.name)}),
+        tags={REFRESH_TAG: "true"},
+        status=dg.DagsterRunStatus.STARTED,  # queued needs a code origin; both hold the slot
+    )
+    ticks = Ticks(spec, kafka, instance)
+    assert [r for r in ticks.tick().run_requests if REFRESH_TAG in r.tags] == []
+    # It ended: the next tick refreshes.
+    instance.report_run_failed(queued)
+    assert [r for r in ticks.tick().run_requests if REFRESH_TAG in r.tags]
+
+
 def test_tier0_and_hourly_tables_closing_the_same_hours_are_requested_apart(
     create_topic, send, topic_prefix, kafka, instance
 ):

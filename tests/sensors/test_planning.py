@@ -193,3 +193,25 @@ def test_an_hour_opening_inside_a_refresh_slot_is_refreshed_in_it():
     assert refresh_slot(spec, before) == refresh_slot(spec, after)
     again = _plan(progress, first.cursor, now=after, spec=spec)
     assert again.refresh and again.refresh[-1] == KEYS[2]
+
+
+def test_no_refresh_while_one_of_the_table_is_in_flight_and_one_right_after():
+    spec = _spec().model_copy(update={"refresh_minutes": 15})
+    progress = _progress([{0: 0}, {0: 5}], ends={0: 9})
+    now = H0 + HOUR + timedelta(minutes=20)
+    first = _plan(progress, now=now, spec=spec)
+    later = now + timedelta(minutes=15)  # the next slot, its refresh still running
+    busy = plan_tick(
+        spec,
+        progress,
+        first.cursor,
+        now=later,
+        watch_from=H0,
+        watch_hours=24,
+        already_materialized=lambda hours: set(),
+        refresh_in_flight=True,
+    )
+    assert busy.refresh == [] and busy.cursor.refreshed == first.cursor.refreshed
+    # It ended: the slot's refresh now.
+    free = _plan(progress, busy.cursor, now=later + timedelta(seconds=30), spec=spec)
+    assert free.refresh == [KEYS[1]]
