@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
@@ -129,7 +129,7 @@ def _tick(
         timeout_seconds=kafka_timeout_seconds,
         what=f"table {_table_names(specs)}, bootstrap servers {kafka.bootstrap_servers}",
     )
-    refreshing = _refreshing(context) if any(spec.refresh_minutes for spec in specs) else set()
+    refreshing = _refreshing(context, now) if any(spec.refresh_minutes for spec in specs) else set()
     together, waiting, events, refreshes = _plan_tables(
         context,
         specs,
@@ -271,14 +271,35 @@ _IN_FLIGHT = [
     dg.DagsterRunStatus.STARTING,
     dg.DagsterRunStatus.STARTED,
 ]
+# A refresh started longer ago than this is taken as dead and no longer holds its table's next
+# refresh back: the default run launcher can't tell a dead run worker, so run monitoring only
+# fails such a run after `max_runtime_seconds` (deploy/*/dagster.yaml: 6 hours).
+REFRESH_DEAD_AFTER = timedelta(hours=1)
 
 
-def _refreshing(context: dg.SensorEvaluationContext) -> set[str]:
+def _refreshing(context: dg.SensorEvaluationContext, now: datetime) -> set[str]:
     """The tables with a refresh queued or running (one query of the instance's run table)."""
-    runs = context.instance.get_runs(
+    records = context.instance.get_run_records(
         filters=dg.RunsFilter(statuses=_IN_FLIGHT, tags={REFRESH_TAG: "true"})
     )
-    return {key.to_user_string() for run in runs for key in (run.asset_selection or ())}
+    tables = set()
+    for record in records:
+        started = record.start_time or record.create_timestamp.timestamp()
+        if (
+            record.dagster_run.status
+            in (
+                dg.DagsterRunStatus.STARTING,
+                dg.DagsterRunStatus.STARTED,
+            )
+            and now - datetime.fromtimestamp(started, UTC) > REFRESH_DEAD_AFTER
+        ):
+            context.log.warning(
+                f"refresh run {record.dagster_run.run_id} has been running for over "
+                f"{REFRESH_DEAD_AFTER}: taken as dead, its tables' refreshes go on"
+            )
+            continue
+        tables |= {key.to_user_string() for key in (record.dagster_run.asset_selection or ())}
+    return tables
 
 
 def _split(

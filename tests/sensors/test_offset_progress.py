@@ -18,6 +18,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.partitions import REFRESH_TAG
 from cdc_assets.slicing import compute_slice
 from resources.kafka import KafkaResource
+from sensors import offset_progress
 from sensors.cursor import FleetCursor
 from sensors.offset_progress import (
     RANGE_END_TAG,
@@ -326,6 +327,27 @@ def test_no_refresh_is_requested_while_one_of_the_table_is_in_flight(
     # It ended: the next tick refreshes.
     instance.report_run_failed(queued)
     assert [r for r in ticks.tick().run_requests if REFRESH_TAG in r.tags]
+
+
+def test_a_refresh_running_for_over_an_hour_is_taken_as_dead(
+    create_topic, send, topic_prefix, kafka, instance, monkeypatch
+):
+    """The default run launcher can't tell a dead run worker: a refresh 'started' for over
+    REFRESH_DEAD_AFTER no longer holds the table's refreshes back."""
+    topic = create_topic(f"{topic_prefix}-dead", partitions=1)
+    spec = _spec(topic, lateness=600).model_copy(update={"refresh_minutes": 15})
+    send(topic, b"a", b"{}", _at(4, 10), partition=0)
+    mirror = dg.asset(name=spec.name)(lambda: None)
+    instance.create_run_for_job(
+        job_def=dg.Definitions(
+            assets=[mirror], jobs=[dg.define_asset_job("j", selection="*")]
+        ).resolve_job_def("j"),
+        asset_selection=frozenset({dg.AssetKey(spec.name)}),
+        tags={REFRESH_TAG: "true"},
+        status=dg.DagsterRunStatus.STARTED,
+    )
+    monkeypatch.setattr(offset_progress, "REFRESH_DEAD_AFTER", timedelta(0))
+    assert [r for r in Ticks(spec, kafka, instance).tick().run_requests if REFRESH_TAG in r.tags]
 
 
 def test_tier0_and_hourly_tables_closing_the_same_hours_are_requested_apart(
