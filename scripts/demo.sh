@@ -97,7 +97,11 @@ CDC_KAFKA_BOOTSTRAP_SERVERS=$(.venv/bin/python -m devtools.kafka_broker start)
 mkdir -p "$demo_dir"
 web_pid=
 stop_all() {
-  if [ -n "$web_pid" ]; then kill -TERM "$web_pid" 2>/dev/null || true; fi
+  # The webserver stops its own code server on the way out: waited for, so none is left over.
+  if [ -n "$web_pid" ]; then
+    kill -TERM "$web_pid" 2>/dev/null || true
+    wait "$web_pid" 2>/dev/null || true
+  fi
   stop_shop
 }
 trap stop_all EXIT
