@@ -28,7 +28,7 @@ not for every table's hour.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
@@ -190,7 +190,7 @@ def _plan_tables(
     *,
     now: datetime,
     watch_hours: int,
-    refreshing: frozenset[str] | set[str] = frozenset(),
+    refreshing: Collection[str] = frozenset(),
 ) -> tuple[Together, list[str], list[dg.AssetObservation], Refreshes]:
     """Plans each table's hours, table by table, and updates its cursor and lag in `cursor`.
 
