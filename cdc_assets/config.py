@@ -55,6 +55,7 @@ RESERVED_CHECK_NAMES = (
     "continuity",
     "changes_readable",
     "toasted_values",
+    "history",
     "error_rate",
     "freshness",
     "schema_drift",
@@ -321,6 +322,7 @@ class ChecksConfig(BaseModel):
     # An hour whose every change went to the error table applied nothing: fail the run.
     changes_readable: CheckPolicy = CheckPolicy(severity="ERROR", blocking=True)
     toasted_values: CheckPolicy = CheckPolicy(severity="ERROR")
+    history: CheckPolicy = CheckPolicy(severity="ERROR")
     error_rate: ErrorRatePolicy = ErrorRatePolicy()
     freshness: FreshnessPolicy = FreshnessPolicy()
     schema_drift: CheckPolicy = CheckPolicy()
@@ -440,6 +442,15 @@ class TableSpec(BaseModel):
             "after the hour closes completes it with every check. Unset: hourly only."
         ),
     )
+    history: bool = Field(
+        default=False,
+        description=(
+            "Keep every version of every row in '<name>__history' beside the mirror (type 2: "
+            "each version's start and end in source time and sequence, deletes as versions of "
+            "their own), right in any hour order; written by the same run. How to read it: "
+            "docs/reading.md, 'History'."
+        ),
+    )
     accept_data_loss: bool = Field(
         default=False,
         description="Run hours whose offsets retention already deleted, reporting the loss.",
@@ -486,8 +497,9 @@ class TableSpec(BaseModel):
     def _name(cls, value: str) -> str:
         if not _IDENT.match(value):
             raise ValueError(f"'{value}' must be an identifier (letters, digits, underscores)")
-        if value.endswith("__errors"):
-            raise ValueError(f"'{value}' ends in '__errors', which names error tables")
+        for suffix, names in (("__errors", "error tables"), ("__history", "history tables")):
+            if value.endswith(suffix):
+                raise ValueError(f"'{value}' ends in '{suffix}', which names {names}")
         return value
 
     @model_validator(mode="before")
@@ -665,6 +677,12 @@ class TableSpec(BaseModel):
                     f"toasted column '{column}' is dropped (sensitive), so it has no value to "
                     "keep; remove it from toasted_columns, or hash it"
                 )
+        if self.history and self.on_truncate == "apply":
+            problems.append(
+                "history: true with on_truncate: apply is not supported yet (a truncate would "
+                "have to end every open version older than it, in any hour order); set "
+                "on_truncate: fail, or turn history off"
+            )
         for expectation in self.expectations:
             if expectation.column not in self.columns:
                 problems.append(

@@ -1,4 +1,5 @@
-"""One table-hour, as stages: plan → read → decode → audit → apply → validate → account.
+"""One table-hour, as stages: plan → read → decode → audit → apply → keep_history → validate
+→ account.
 
     hour = plan(ctx, ...)            # the hour's slice of the topic, or why it can't run yet
     stored = stored_mirror(ctx)      # the mirror's schema; refused if it holds raw masked values
@@ -6,6 +7,7 @@
     changes = decode_hour(ctx, ...)  # typed change rows, bad records marked as errors
     held = audit(ctx, changes, ...)  # the hard expectations hold failing changes back
     applied = apply(ctx, ...)        # errors to the error table; one guarded MERGE, one commit
+    kept = keep_history(ctx, ...)    # `history: true`: every change a version, its own commit
     verdicts = validate(ctx, ...)    # the other expectations, on the hour's newest changes
     return account(ctx, ...)         # every record counted where it happened (`HourCounts`)
 
@@ -64,12 +66,13 @@ from cdc_assets.decoding.shape import SourceShape, added_column_types
 from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
+from cdc_assets.history import audit_history, data_columns, history_name, write_history
 from cdc_assets.hours import hour_start, previous_key
 from cdc_assets.ledger import DeltaLog
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
 from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_schema
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
-from cdc_assets.results import HourCounts, HourResult, KeyCounts
+from cdc_assets.results import HistoryRun, HourCounts, HourResult, KeyCounts
 from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import (
     DataLossError,
@@ -132,8 +135,9 @@ def run_hour(
             changes = decode_hour(ctx, stored_schema, records, frames)
             held = audit(ctx, changes, frames)
             applied = apply(ctx, hour, changes, held, frames)
+            kept = keep_history(ctx, hour, applied)
             verdicts = validate(ctx, applied)
-        return account(ctx, hour, records, changes, held, applied, verdicts)
+        return account(ctx, hour, records, changes, held, applied, verdicts, kept)
 
 
 # --- the stages --------------------------------------------------------------------------------
@@ -279,7 +283,40 @@ def apply(
     with commit_metadata(ctx.spark, {**commit, MOVED_ROWS: True}):
         if toast.resolve_moves(ctx.spark, spec, ctx.path):
             version = current_version(ctx.spark, ctx.path, ctx.ledger)
-    return Applied(spec, outcome, version, latest, distinct_keys, older_than_truncate, commit)
+    return Applied(
+        spec, outcome, version, latest, distinct_keys, older_than_truncate, commit, good, tally
+    )
+
+
+def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryRun | None:
+    """A table with `history: true`: every applied change of the hour becomes a version in
+    `<table>__history`, in a commit of its own after the mirror's, carrying the same record (a
+    crash between the two is repaired by running the hour again); then the stored versions of
+    the hour's keys are judged against themselves and the mirror (`cdc_assets.history`)."""
+    if not ctx.spec.history:
+        return None
+    spec, path = applied.spec, ctx.lake.table_path(history_name(ctx.spec))
+    bounds = key_range(spec, applied.tally)
+    outcome = write_history(
+        ctx.spark,
+        spec,
+        path,
+        applied.changes,
+        ingested_at=hour.ingested_at,
+        run_metadata=applied.commit,
+        key_range=bounds,
+        s3_client=ctx.lake.s3_client(),
+    )
+    audit = audit_history(
+        ctx.spark,
+        spec,
+        path,
+        ctx.path,
+        applied.changes,
+        data_columns(spec, applied.changes),
+        bounds,
+    )
+    return HistoryRun(outcome, audit)
 
 
 def validate(ctx: HourContext, applied: Applied) -> tuple[object, ...]:
@@ -305,6 +342,7 @@ def account(
     held: HeldBack,
     applied: Applied,
     verdicts: tuple[object, ...],
+    kept: HistoryRun | None = None,
 ) -> HourResult:
     """What the run did: each figure of I2 counted where it happened (`HourCounts.counted`)."""
     spec, tally, outcome = applied.spec, changes.batch.tally, applied.outcome
@@ -345,6 +383,7 @@ def account(
         expectations=verdicts,
         mirror_newest=_from_ms(applied.commit[MIRROR_NEWEST]),
         withheld_columns=changes.withheld if spec.new_columns == "add" else (),
+        history=kept,
     )
 
 
@@ -468,6 +507,8 @@ class Applied:
     distinct_keys: int
     older_than_truncate: int
     commit: dict
+    changes: DataFrame  # the hour's applicable changes, every one (the history's versions)
+    tally: Tally
 
 
 class _Frames:

@@ -59,6 +59,13 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
         # The mirror's freshness when the run ended: the age of its newest applied change.
         age = (result.finished_at - result.mirror_newest).total_seconds()
         metadata["freshness_seconds"] = dg.MetadataValue.float(round(age, 3))
+    if result.history is not None:
+        # The history's versions this hour: new ones, and stored ones a newer version ended.
+        outcome = result.history.outcome
+        metadata["history_versions_opened"] = dg.MetadataValue.int(outcome.opened)
+        metadata["history_versions_closed"] = dg.MetadataValue.int(outcome.closed)
+        if outcome.version is not None:
+            metadata["history_delta_version"] = dg.MetadataValue.int(outcome.version)
     if result.lag_seconds is not None:
         metadata["lag_seconds"] = dg.MetadataValue.float(round(result.lag_seconds, 3))
         metadata["newest_source_ts"] = dg.MetadataValue.timestamp(result.newest_source_ts)

@@ -16,6 +16,7 @@ from cdc_assets.decoding.shape import SourceShape
 if TYPE_CHECKING:
     from cdc_assets.checking import AuditVerdict
     from cdc_assets.decoding.tally import Tally
+    from cdc_assets.history import HistoryAudit, HistoryOutcome
     from cdc_assets.merge import MergeOutcome
     from cdc_assets.read import OffsetCensus
     from cdc_assets.slicing import HourSlice
@@ -86,6 +87,14 @@ class HourCounts:
 
 
 @dataclass(frozen=True)
+class HistoryRun:
+    """A table-hour's history stage: what it wrote and what the written history looks like."""
+
+    outcome: HistoryOutcome
+    audit: HistoryAudit
+
+
+@dataclass(frozen=True)
 class HourResult:
     table: str
     hour_key: str
@@ -118,6 +127,9 @@ class HourResult:
     # the hour had read up to, from where this run read on (None: it read the whole hour).
     hour_starts: dict[int, int] | None = None
     refreshed_to: dict[int, int] | None = None
+    # A table with `history: true`: what the run wrote to its history, and the history of the
+    # hour's keys judged afterwards (`cdc_assets.history`); None without history.
+    history: HistoryRun | None = None
 
     def hour_start_offsets(self) -> dict[int, int]:
         """Where the hour begins, per partition: the slice's start unless a refresh came first."""

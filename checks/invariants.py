@@ -2,10 +2,10 @@
 
 `complete_hour` (I5), `accounting` (I2), `continuity` (I1), `changes_readable` and
 `error_rate` (I7), `freshness`, `schema_drift`, `toasted_values` (tables with
-`toasted_columns`), each from the hour's result (`<check>_result`); and `retention_risk` (I6),
-a separate, partitioned check that reads the hour's recorded slice from the Delta log, so it
-can be re-run any time. Severity, blocking and thresholds come from the table's `checks:`
-settings.
+`toasted_columns`), `history` (tables with `history: true`), each from the hour's result
+(`<check>_result`); and `retention_risk` (I6), a separate, partitioned check that reads the
+hour's recorded slice from the Delta log, so it can be re-run any time. Severity, blocking and
+thresholds come from the table's `checks:` settings.
 
 The `accounting` figures are counted apart (`HourCounts`): consumed by the reader, superseded
 on the batch, applied and stale from the MERGE's operation metrics; so a record the decoder
@@ -40,6 +40,7 @@ SCHEMA_DRIFT = "schema_drift"
 RETENTION_RISK = "retention_risk"
 CHANGES_READABLE = "changes_readable"
 TOASTED_VALUES = "toasted_values"
+HISTORY = "history"
 
 DESCRIPTIONS = {
     COMPLETE_HOUR: "The hour had closed when it was read: not a partial, forced-open hour (I5).",
@@ -51,6 +52,10 @@ DESCRIPTIONS = {
     RETENTION_RISK: "Kafka still holds the hour's offsets long enough to replay it (I6).",
     CHANGES_READABLE: "Not every change of the hour went to the error table (something applied).",
     TOASTED_VALUES: "Live rows hold known values of their unchanged TOASTed columns.",
+    HISTORY: (
+        "The history of the hour's keys: every change a version, one current version per key, "
+        "each version ending where the next begins, current versions equal to the mirror's rows."
+    ),
 }
 # Checks computed inside the asset's run, from what the run saw.
 RUN_CHECKS = (
@@ -66,7 +71,11 @@ RUN_CHECKS = (
 
 def run_checks(spec: TableSpec) -> tuple[str, ...]:
     """The invariant checks a run of `spec` evaluates (toasted_values only where it applies)."""
-    return (*RUN_CHECKS, *((TOASTED_VALUES,) if spec.toasted_columns else ()))
+    return (
+        *RUN_CHECKS,
+        *((TOASTED_VALUES,) if spec.toasted_columns else ()),
+        *((HISTORY,) if spec.history else ()),
+    )
 
 
 def _verdict(
@@ -393,6 +402,40 @@ def toasted_values_result(
         problems,
         {f"unknown_{column}": count for column, count in sorted(unknown.items())},
     )
+
+
+def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
+    """The history stage's verdict (`cdc_assets.history`): the hour's versions accounted for
+    (each inserted by the MERGE, Delta's count, or stored already, counted on the batch), and
+    the stored versions of the hour's keys read back after the commit: one current version per
+    key, each version ending where the key's next one starts, the current live versions equal
+    to the mirror's live rows."""
+    run = result.history
+    if run is None:
+        return _verdict(HISTORY, policy, [], {"versions": 0}, note="No change in this hour.")
+    outcome, audit = run.outcome, run.audit
+    problems = list(audit.problems)
+    if outcome.versions != outcome.opened + outcome.known:
+        problems.insert(
+            0,
+            f"the hour has {outcome.versions} versions, but the history's MERGE inserted "
+            f"{outcome.opened} and {outcome.known} were stored already",
+        )
+    metadata = {
+        "versions": outcome.versions,
+        "versions_opened": outcome.opened,
+        "versions_closed": outcome.closed,
+        "versions_stored_already": outcome.known,
+        "versions_rewritten": outcome.rewritten,
+        "keys": audit.keys,
+        "keys_without_one_current_version": audit.current_not_one,
+        "broken_intervals": audit.broken_intervals,
+        "keys_differing_from_mirror": audit.mirror_mismatches,
+        "current_versions_with_unknown_toasted_values": audit.unknown,
+    }
+    if outcome.version is not None:
+        metadata["history_version"] = outcome.version
+    return _verdict(HISTORY, policy, problems, metadata)
 
 
 def retention_risk_result(

@@ -36,6 +36,7 @@ from checks.invariants import (
     continuity_result,
     error_rate_result,
     freshness_result,
+    history_result,
     invariant_check_specs,
     retention_risk_result,
     run_checks,
@@ -119,6 +120,8 @@ def evaluate_run_checks(
                 unknown=toasted_unknown(spark, path, spec, result.delta_version),
             )
         )
+    if spec.history:
+        results.append(history_result(result, policies.history))
     held_back = {}
     if result.audit is not None:
         held_back = {r.check_name: r for r in result.audit.check_results()}

@@ -142,6 +142,71 @@ def replay_with_errors(
     return live, errors
 
 
+def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]]:
+    """Every version of every key after `records` (as `replay` takes them), in any order: what
+    a `history: true` table's `<table>__history` must hold, computed apart from the pipeline.
+
+    A version per key and source sequence (the spec's sequence fields; a change delivered twice
+    is one version), ordered by (sequence, partition, offset). Each is the change's row (a
+    delete's before-image) with `_cdc_op`, `_cdc_deleted`, `_cdc_sequence` (the source
+    sequence), `_cdc_end_sequence` (the next version's, None for the newest), `_cdc_valid_from`
+    and `_cdc_valid_to` (source.ts_ms as UTC datetimes) and `_cdc_current`. A toasted column a
+    change did not carry holds the newest value an earlier version of the same key carried,
+    None when none did (`_cdc_unknown__C`); a primary-key move is not followed. Truncates are
+    not replayed (a table with history refuses `on_truncate: apply`). Returns versions by
+    primary-key tuple, oldest first.
+    """
+    found: dict[tuple, dict[tuple, tuple[tuple, str, Row, datetime | None]]] = {}
+    for partition, offset, value, *rest in records:
+        if value is None:
+            continue
+        try:
+            op, sequence, row = _parse(spec, value, rest[0] if rest else None, {})
+        except _Malformed:
+            continue
+        if op == "t":
+            continue
+        key = tuple(row[col] for col in spec.primary_key)
+        position = (sequence, partition, offset)
+        versions = found.setdefault(key, {})
+        if sequence not in versions or position < versions[sequence][0]:
+            versions[sequence] = (position, op, row, _source_time(value))
+    out: dict[tuple, list[Row]] = {}
+    for key, versions in found.items():
+        ordered = sorted(versions.values(), key=lambda v: v[0])
+        carried: dict[str, Any] = {}
+        rows = []
+        for i, (position, op, row, at) in enumerate(ordered):
+            following = ordered[i + 1] if i + 1 < len(ordered) else None
+            version = dict(row)
+            for col in spec.toasted_columns:
+                if op != "d" and row[col] is not _UNAVAILABLE:
+                    carried[col] = row[col]
+                    version[f"_cdc_unknown__{col}"] = False
+                else:
+                    version[col] = carried.get(col)
+                    version[f"_cdc_unknown__{col}"] = col not in carried
+            version.update(
+                _cdc_op=op,
+                _cdc_deleted=op == "d",
+                _cdc_sequence=position[0],
+                _cdc_end_sequence=None if following is None else following[0][0],
+                _cdc_valid_from=at,
+                _cdc_valid_to=None if following is None else following[3],
+                _cdc_current=following is None,
+            )
+            rows.append(version)
+        out[key] = rows
+    return out
+
+
+def _source_time(value: bytes) -> datetime | None:
+    """A record's `source.ts_ms` as a UTC datetime (None when absent)."""
+    document, _ = _document(value)
+    millis = (document.get("source") or {}).get("ts_ms")
+    return None if millis is None else _EPOCH + timedelta(milliseconds=millis)
+
+
 def _toasted_value(
     key: tuple, col: str, before: tuple | None, toasted: dict, moves: dict, depth: int = 0
 ) -> Any:

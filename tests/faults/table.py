@@ -17,6 +17,7 @@ from kafka import KafkaProducer
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
+from demo.reference import history as history_reference
 from demo.reference import replay
 from tests.support import accounts_spec, read_records
 
@@ -229,3 +230,49 @@ def runner(spark, kafka, lake, spec_: TableSpec):
         )
 
     return run
+
+
+def history_differences(spark, path: str, spec_: TableSpec, records: Sequence[tuple]) -> list[str]:
+    """`<table>__history` at `path` against `demo.reference.history` of `records` (as
+    `read_records(..., headers=True)` returns them), version by version: each key's versions in
+    sequence order with their values, op, start and end in sequence and source time, currency
+    (and TOASTed values' unknown flags). Kafka coordinates are left out (a change delivered
+    twice is one version, kept with whichever coordinates). Returns what differs, [] when
+    nothing does."""
+    from cdc_assets.history import source_fields  # tests: imported where used
+
+    expected = history_reference(spec_, [(p, o, v, k, h) for p, o, v, k, _, h in records])
+    frame = spark.read.format("delta").load(path)
+    fields = source_fields(frame.schema["_cdc_sequence"].dataType)
+
+    def position(struct) -> tuple | None:
+        return None if struct is None else tuple(struct[f] for f in fields)
+
+    flags = [f"_cdc_unknown__{c}" for c in spec_.toasted_columns]
+    compared = [*spec_.columns, "_cdc_op", "_cdc_deleted", *flags]
+    actual: dict[tuple, list[dict]] = {}
+    for row in frame.collect():
+        values = row.asDict()
+        version = {c: values[c] for c in compared}
+        version.update(
+            _cdc_sequence=position(values["_cdc_sequence"]),
+            _cdc_end_sequence=position(values["_cdc_end_sequence"]),
+            _cdc_valid_from=_utc(values["_cdc_valid_from"]),
+            _cdc_valid_to=_utc(values["_cdc_valid_to"]),
+            _cdc_current=values["_cdc_current"],
+        )
+        actual.setdefault(tuple(values[k] for k in spec_.primary_key), []).append(version)
+    problems = []
+    for key in sorted(set(expected) | set(actual), key=repr):
+        theirs = sorted(actual.get(key, []), key=lambda v: v["_cdc_sequence"])
+        ours = [{c: v.get(c) for c in theirs[0]} if theirs else v for v in expected.get(key, [])]
+        if theirs != ours:
+            problems.append(f"key {key}: history {theirs} != reference {ours}")
+    return problems
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A timestamp Spark returned (naive, in the session's zone: UTC in the tests) as UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)

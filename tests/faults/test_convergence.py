@@ -11,7 +11,9 @@ mirrors' asset takes: the mirrors' hours interleave on the suite's one Spark ses
 at a time), and each mirror is compared with the reference replay of the records Kafka committed
 that its runs read (`_read_by`): `demo.reference` orders every key's changes by sequence, so
 that replay does not depend on the order hours run in, and I3 says the mirror must not either.
-Every table-hour's accounting check (I2) must pass too, refreshes included.
+Every table-hour's accounting check (I2) must pass too, refreshes included. The first mirror
+keeps its history (`history: true`): its `__history` table must equal `demo.reference.history`
+of the same records version by version, and its `history` check pass on every table-hour.
 
 How many schedules run is the Hypothesis profile's `max_examples` (tests/conftest.py): CI
 (`CI=true`, the `ci` profile) runs 20, derandomized, so the same 20 schedules every run: 112
@@ -187,8 +189,11 @@ def _read_by(records: list[tuple], runs: list[Run]) -> list[tuple]:
 
 
 def _mirror(spec: TableSpec, n: int) -> TableSpec:
-    """Another mirror of the same topic (its own Delta table in the lake)."""
-    return TableSpec.model_validate({**spec.model_dump(), "name": f"accounts_{n}"})
+    """Another mirror of the same topic (its own Delta table in the lake); the first one keeps
+    its history (`history: true`)."""
+    return TableSpec.model_validate(
+        {**spec.model_dump(), "name": f"accounts_{n}", "history": n == 0}
+    )
 
 
 def test_any_schedule_of_hours_converges_to_the_reference(
@@ -239,9 +244,15 @@ def test_any_schedule_of_hours_converges_to_the_reference(
                 raise outcome.error
             table_hours += len(outcome.hours)
             for run in outcome.hours:
-                accounting = [c for c in run.checks if c.check_name == "accounting"]
-                assert [c.passed for c in accounting] == [True], (mirror.name, run.result)
-            ref = table.reference_of(spec, _read_by(committed, runs))
+                for name in ("accounting", *(("history",) if mirror.history else ())):
+                    verdict = [c for c in run.checks if c.check_name == name]
+                    assert [c.passed for c in verdict] == [True], (mirror.name, name, run.result)
+            read = _read_by(committed, runs)
+            if mirror.history:
+                path = lake.table_path(f"{mirror.name}__history")
+                wrong = table.history_differences(spark, path, spec, read)
+                assert not wrong, (mirror.name, runs, wrong[:3])
+            ref = table.reference_of(spec, read)
             comparison = compare(
                 spark, lake.table_path(mirror.name), spec, ref.expected, ref.seen_keys
             )

@@ -1,0 +1,428 @@
+"""Every version of every row: `<table>__history`, a type-2 table beside the mirror.
+
+A table with `history: true` keeps one row per version of a key: the change's columns (a delete
+keeps its before-image and is a version of its own, `_cdc_deleted`), the version's start and end
+in source sequence (`_cdc_sequence`, `_cdc_end_sequence`) and in source time (`_cdc_valid_from`
+and `_cdc_valid_to`, from Debezium's `source.ts_ms`), and whether it is the key's newest
+(`_cdc_current`). Every change of the hour is a version, not only the newest per key.
+
+Right in any hour order, any number of times: a version is identified by its key and its source
+sequence (the table's `sequence` fields, not the Kafka coordinates: a change delivered twice is
+one version). Each run takes the stored versions of the keys its hour touches together with the
+hour's, orders each key's versions by sequence and derives every end from the next start, then
+MERGEs the result on (key, source sequence): new versions are inserted, stored ones whose end,
+currency or filled-in values changed are updated, the rest left alone. A late version thus splits
+the interval it falls into; running an hour again writes nothing new.
+
+TOASTed values (`toasted_columns`): a version that does not carry one takes the value of the
+newest version before it that did (recomputed with every run, so it is right when that version
+arrives later); where no version of the key carried one, the value is null and
+`_cdc_unknown__C` true. Not followed across a primary-key move (the mirror's `resolve_moves`):
+a moved row's versions say unknown until a change carries the value.
+
+The history's MERGE is its own commit, after the mirror's, carrying the same run record: a run
+that dies between the two is completed by running the hour again (the mirror finds its changes
+stale, the history inserts what it lacks). What each run did (`HistoryOutcome`) and what the
+stored versions of its keys look like afterwards (`HistoryAudit`) feed the `history` check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from cdc_assets.columns import (
+    DELETED,
+    HOUR,
+    INGESTED_AT,
+    KAFKA_OFFSET,
+    KAFKA_PARTITION,
+    OP,
+    SEQUENCE,
+    SOURCE_TS,
+    has_value,
+)
+from cdc_assets.commits import commit_metadata, delta_log, ledger_commit, retry_on_conflict
+from cdc_assets.config import TableSpec
+from cdc_assets.merge import (
+    DELETION_VECTORS_PROPERTY,
+    MERGE_PERSISTENT_DVS,
+    persistent_deletion_vectors,
+)
+from cdc_assets.toast import unknown_flag
+
+HISTORY_SUFFIX = "__history"
+VALID_FROM, VALID_TO = "_cdc_valid_from", "_cdc_valid_to"
+END_SEQUENCE, CURRENT = "_cdc_end_sequence", "_cdc_current"
+# The Kafka coordinates closing the `_cdc_sequence` struct: not part of a version's identity.
+KAFKA_FIELDS = ("kafka_partition", "kafka_offset")
+
+
+def history_name(spec: TableSpec) -> str:
+    return f"{spec.name}{HISTORY_SUFFIX}"
+
+
+def source_fields(sequence_type: T.StructType) -> list[str]:
+    """The fields of `_cdc_sequence` that name a change at its source (a version's identity)."""
+    return [f.name for f in sequence_type.fields if f.name not in KAFKA_FIELDS]
+
+
+def data_columns(spec: TableSpec, changes: DataFrame) -> list[str]:
+    """The source columns a version keeps: the mirror's (declared, and added ones the hour
+    brings), as the decoded changes hold them."""
+    known = set(changes.columns)
+    return [c for c in spec.columns if c in known]
+
+
+def version_columns(spec: TableSpec, data: list[str]) -> list[str]:
+    """The history's columns, in order."""
+    toasted = [name for c in spec.toasted_columns for name in (has_value(c), unknown_flag(c))]
+    return [
+        *data,
+        OP,
+        DELETED,
+        SEQUENCE,
+        END_SEQUENCE,
+        VALID_FROM,
+        VALID_TO,
+        CURRENT,
+        KAFKA_PARTITION,
+        KAFKA_OFFSET,
+        HOUR,
+        INGESTED_AT,
+        *toasted,
+    ]
+
+
+@dataclass(frozen=True)
+class HistoryOutcome:
+    """What one run did to the history: the hour's versions (distinct key and source sequence),
+    how many of them were stored already, the versions the MERGE inserted (Delta's metric, so
+    the three can disagree), the stored versions it closed (their key got a newer one) and the
+    stored versions it rewrote in all (closed, split, refilled); its commit's version."""
+
+    versions: int
+    known: int
+    opened: int
+    closed: int
+    rewritten: int
+    version: int | None
+
+
+@dataclass(frozen=True)
+class HistoryAudit:
+    """The stored versions of the hour's keys after the run, judged: keys without exactly one
+    current version, versions whose end is not the next version's start (an overlap or a gap),
+    and the keys whose current live version differs from the mirror's live row (either side
+    missing, or a value differing), of `keys` keys; `unknown` current versions with a TOASTed
+    value not known (compared only where known)."""
+
+    keys: int
+    current_not_one: int
+    broken_intervals: int
+    mirror_mismatches: int
+    unknown: int = 0
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        if self.current_not_one:
+            found.append(f"{self.current_not_one} keys have no current version or several")
+        if self.broken_intervals:
+            found.append(
+                f"{self.broken_intervals} versions do not end where the key's next version "
+                "starts (overlapping or gapped intervals)"
+            )
+        if self.mirror_mismatches:
+            found.append(
+                f"{self.mirror_mismatches} keys' current version differs from the mirror's row"
+            )
+        return found
+
+
+def hour_versions(spec: TableSpec, changes: DataFrame, ingested_at) -> DataFrame:
+    """The hour's applicable changes as versions: one per key and source sequence (a change
+    delivered twice keeps its lowest Kafka coordinates, so the stored row does not depend on
+    which delivery a run saw first)."""
+    data = data_columns(spec, changes)
+    fields = source_fields(changes.schema[SEQUENCE].dataType)
+    toasted = [has_value(c) for c in spec.toasted_columns]
+    row = [*data, OP, DELETED, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET, HOUR, *toasted]
+    identity = [*spec.primary_key, *(F.col(f"{SEQUENCE}.{f}").alias(f"_v_{f}") for f in fields)]
+    first = F.min_by(
+        F.struct(*[F.col(c) for c in row if c not in spec.primary_key]), F.col(SEQUENCE)
+    )
+    return (
+        changes.groupBy(*identity)
+        .agg(F.min(SEQUENCE).alias(SEQUENCE), first.alias("_v"))
+        .select(
+            *spec.primary_key,
+            *[F.col(f"_v.{c}").alias(c) for c in row if c not in spec.primary_key],
+            SEQUENCE,
+        )
+        .withColumnRenamed(SOURCE_TS, VALID_FROM)
+        .withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
+    )
+
+
+def write_history(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    changes: DataFrame,
+    *,
+    ingested_at,
+    run_metadata: dict,
+    key_range: Mapping[str, tuple] | None = None,
+    s3_client=None,
+) -> HistoryOutcome:
+    """MERGEs the hour's versions into the history at `path` (created on the first run) and
+    re-derives the ends of the keys it touches, in one commit carrying `run_metadata`; a run
+    that changes nothing records itself in a metadata-only commit."""
+    return retry_on_conflict(
+        lambda: _write_once(
+            spark, spec, path, changes, ingested_at, run_metadata, key_range or {}, s3_client
+        ),
+        table=history_name(spec),
+        path=path,
+    )
+
+
+def _write_once(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    changes: DataFrame,
+    ingested_at,
+    run_metadata: dict,
+    key_range: Mapping[str, tuple],
+    s3_client,
+) -> HistoryOutcome:
+    keys = list(spec.primary_key)
+    fields = source_fields(changes.schema[SEQUENCE].dataType)
+    new = hour_versions(spec, changes, ingested_at)
+    data = data_columns(spec, changes)
+    columns = version_columns(spec, data)
+    table = _create_if_not_exists(spark, path, _schema(spec, new, columns), spec)
+    stored = _stored_versions(spark, path, keys, key_range, new.select(*keys))
+    stored_names = {f.name.lower() for f in table.toDF().schema}
+    evolving = any(c.lower() not in stored_names for c in columns)
+    derived = _derived(spec, new, stored, data, fields).persist()
+    try:
+        counted = derived.agg(
+            F.count(F.when(F.col("_new"), 1)).alias("versions"),
+            F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
+            F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
+        ).first()
+        identity = " AND ".join(
+            [f"t.`{k}` <=> s.`{k}`" for k in keys]
+            + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
+        )
+        source = derived.select(*columns)
+        merge = table.alias("t").merge(source.alias("s"), identity)
+        if evolving:
+            merge = merge.withSchemaEvolution()
+        changed = " OR ".join(
+            f"NOT (t.`{c}` <=> s.`{c}`)"
+            for c in [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)]
+        )
+        merge = merge.whenMatchedUpdate(
+            condition=changed, set={c: F.col(f"s.`{c}`") for c in columns}
+        ).whenNotMatchedInsert(values={c: F.col(f"s.`{c}`") for c in columns})
+        ledger = delta_log(path, s3_client)
+        spark.conf.set(
+            MERGE_PERSISTENT_DVS,
+            str(persistent_deletion_vectors(spec, ledger.size_bytes())).lower(),
+        )
+        with commit_metadata(spark, run_metadata):
+            metrics = merge.execute().first()
+            if not metrics["num_affected_rows"]:
+                ledger_commit(spark, path)  # nothing new: the run is on record all the same
+                return HistoryOutcome(
+                    int(counted["versions"]), int(counted["known"]), 0, 0, 0, None
+                )
+        mine = ledger.run_commit(run_metadata, "MERGE")
+        return HistoryOutcome(
+            versions=int(counted["versions"]),
+            known=int(counted["known"]),
+            opened=int(metrics["num_inserted_rows"]),
+            closed=int(counted["closed"]),
+            rewritten=int(metrics["num_updated_rows"]),
+            version=None if mine is None else mine.version,
+        )
+    finally:
+        derived.unpersist()
+
+
+def _filled(spec: TableSpec) -> list[str]:
+    """The columns a run fills in again (TOASTed values and their flags)."""
+    return [name for c in spec.toasted_columns for name in (c, unknown_flag(c))]
+
+
+def _schema(spec: TableSpec, new: DataFrame, columns: list[str]) -> T.StructType:
+    sequence = new.schema[SEQUENCE].dataType
+    known = {f.name: f for f in new.schema}
+    extra = {
+        END_SEQUENCE: T.StructField(END_SEQUENCE, sequence),
+        VALID_TO: T.StructField(VALID_TO, T.TimestampType()),
+        CURRENT: T.StructField(CURRENT, T.BooleanType()),
+        **{
+            unknown_flag(c): T.StructField(unknown_flag(c), T.BooleanType())
+            for c in spec.toasted_columns
+        },
+    }
+    return T.StructType([known.get(c) or extra[c] for c in columns])
+
+
+def _create_if_not_exists(
+    spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec
+) -> DeltaTable:
+    return (
+        DeltaTable.createIfNotExists(spark)
+        .location(path)
+        .addColumns(schema)
+        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
+        .execute()
+    )
+
+
+def _stored_versions(
+    spark: SparkSession,
+    path: str,
+    keys: list[str],
+    key_range: Mapping[str, tuple],
+    hour_keys: DataFrame,
+) -> DataFrame:
+    """Every stored version of the hour's keys (the key range lets Delta skip files)."""
+    stored = spark.read.format("delta").load(path)
+    for key, (low, high) in key_range.items():
+        stored = stored.where(F.col(key).between(F.lit(low), F.lit(high)))
+    return stored.join(hour_keys.distinct(), on=keys, how="left_semi")
+
+
+def _derived(
+    spec: TableSpec, new: DataFrame, stored: DataFrame, data: list[str], fields: list[str]
+) -> DataFrame:
+    """The hour's keys' versions, stored and new together, one per key and source sequence,
+    each with its end (the next version's start), its currency and its filled-in TOASTed
+    values; `_new`/`_stored` say where a version came from, `_was_current` what it was."""
+    keys = list(spec.primary_key)
+    identity = [*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)]
+    both = stored.select(
+        *stored.columns, F.lit(False).alias("_new"), F.col(CURRENT).alias("_was_current")
+    ).unionByName(
+        new.select(*new.columns, F.lit(True).alias("_new"), F.lit(False).alias("_was_current")),
+        allowMissingColumns=True,
+    )
+    # One row per version: the lowest Kafka coordinates' (a stored row on a tie).
+    ranked = Window.partitionBy(*identity).orderBy(F.col(SEQUENCE), F.col("_new"))
+    per_version = Window.partitionBy(*identity)
+    one = (
+        both.withColumn("_rank", F.row_number().over(ranked))
+        .withColumn("_any_new", F.max(F.col("_new").cast("int")).over(per_version) == 1)
+        .withColumn("_any_stored", F.min(F.col("_new").cast("int")).over(per_version) == 0)
+        .withColumn("_was", F.max(F.col("_was_current").cast("int")).over(per_version) == 1)
+        .where(F.col("_rank") == 1)
+        .select(
+            *[c for c in both.columns if c not in ("_new", "_was_current")],
+            F.col("_any_new").alias("_new"),
+            F.col("_any_stored").alias("_stored"),
+            F.col("_was").alias("_was_current"),
+        )
+    )
+    ordered = Window.partitionBy(*keys).orderBy(SEQUENCE)
+    derived = (
+        one.withColumn(END_SEQUENCE, F.lead(SEQUENCE).over(ordered))
+        .withColumn(VALID_TO, F.lead(VALID_FROM).over(ordered))
+        .withColumn(CURRENT, F.lead(SEQUENCE).over(ordered).isNull())
+    )
+    upto = ordered.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    for c in spec.toasted_columns:
+        carried = F.last(F.when(F.col(has_value(c)), F.struct(F.col(c).alias("v"))), True)
+        newest = carried.over(upto)
+        derived = derived.withColumn(c, newest["v"]).withColumn(unknown_flag(c), newest.isNull())
+    return derived
+
+
+def audit_history(
+    spark: SparkSession,
+    spec: TableSpec,
+    path: str,
+    mirror_path: str,
+    hour_keys: DataFrame,
+    data: list[str],
+    key_range: Mapping[str, tuple] | None = None,
+) -> HistoryAudit:
+    """Judges the stored versions of the hour's keys after the run against themselves and the
+    mirror (`HistoryAudit`), read back from both tables: one query each way."""
+    keys = list(spec.primary_key)
+    hour_keys = hour_keys.select(*keys).distinct()
+    versions = _stored_versions(spark, path, keys, key_range or {}, hour_keys)
+    ordered = Window.partitionBy(*keys).orderBy(SEQUENCE)
+    following = F.lead(SEQUENCE).over(ordered)
+    broken = (
+        ~F.col(END_SEQUENCE).eqNullSafe(following)
+        | ~F.col(VALID_TO).eqNullSafe(F.lead(VALID_FROM).over(ordered))
+        | (F.col(CURRENT) != following.isNull())
+    )
+    judged = versions.withColumn("_broken", broken)
+    per_key = judged.groupBy(*keys).agg(
+        F.sum(F.col(CURRENT).cast("int")).alias("_current"),
+        F.sum(F.col("_broken").cast("int")).alias("_broken"),
+    )
+    live_current = versions.where(F.col(CURRENT) & ~F.col(DELETED))
+    mirror = spark.read.format("delta").load(mirror_path)
+    for key, (low, high) in (key_range or {}).items():
+        mirror = mirror.where(F.col(key).between(F.lit(low), F.lit(high)))
+    mirror_live = mirror.where(~F.col(DELETED)).join(hour_keys, on=keys, how="left_semi")
+    compared = [c for c in data if c not in keys and c in mirror.columns]
+    h = live_current.select(
+        *keys,
+        F.lit(True).alias("_h"),
+        *[F.col(c).alias(f"_h_{c}") for c in compared],
+        *[F.col(unknown_flag(c)).alias(f"_hu_{c}") for c in spec.toasted_columns],
+    )
+    m = mirror_live.select(
+        *keys, F.lit(True).alias("_m"), *[F.col(c).alias(f"_m_{c}") for c in compared]
+    )
+    same = F.lit(True)
+    for c in compared:
+        equal = F.col(f"_h_{c}").eqNullSafe(F.col(f"_m_{c}"))
+        if c in spec.toasted_columns:
+            equal = equal | F.col(f"_hu_{c}")
+        same = same & equal
+    pairs = h.join(m, on=keys, how="full_outer")
+    differs = F.col("_h").isNull() | F.col("_m").isNull() | ~same
+    unknown = F.lit(False)
+    for c in spec.toasted_columns:
+        unknown = unknown | F.coalesce(F.col(f"_hu_{c}"), F.lit(False))
+    mirror_side = pairs.agg(
+        F.count(F.when(differs, 1)).alias("mismatches"),
+        F.count(F.when(unknown, 1)).alias("unknown"),
+    ).first()
+    own = per_key.agg(
+        F.count(F.lit(1)).alias("keys"),
+        F.count(F.when(F.col("_current") != 1, 1)).alias("current_not_one"),
+        F.coalesce(F.sum("_broken"), F.lit(0)).alias("broken"),
+    ).first()
+    return HistoryAudit(
+        keys=int(own["keys"]),
+        current_not_one=int(own["current_not_one"]),
+        broken_intervals=int(own["broken"]),
+        mirror_mismatches=int(mirror_side["mismatches"]),
+        unknown=int(mirror_side["unknown"]),
+    )
+
+
+def as_of(history: DataFrame, moment: Column) -> DataFrame:
+    """The table as it was at `moment` (source time): each key's version in force then, live
+    ones only. The query docs/reading.md gives, as a function for tests and notebooks."""
+    in_force = (F.col(VALID_FROM) <= moment) & (
+        F.col(VALID_TO).isNull() | (moment < F.col(VALID_TO))
+    )
+    return history.where(in_force & ~F.col(DELETED))

@@ -1,0 +1,197 @@
+"""The history stage on real Spark and Delta, fed decoded changes directly: a late version
+splits the interval it falls into, a replayed change is one version, a TOASTed value is filled
+from the version before it (and again when that version arrives later), and the audit fails
+when the history and the mirror disagree.
+
+The whole pipeline's history, hours in any order against the plain-Python reference, is the
+convergence property's (tests/faults/test_convergence.py); a crash between the mirror's commit
+and the history's is tests/faults/test_crashes.py's.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from cdc_assets.columns import (
+    DELETED,
+    HOUR,
+    KAFKA_OFFSET,
+    KAFKA_PARTITION,
+    OP,
+    SEQUENCE,
+    SOURCE_TS,
+    has_value,
+)
+from cdc_assets.history import (
+    CURRENT,
+    END_SEQUENCE,
+    VALID_FROM,
+    VALID_TO,
+    as_of,
+    audit_history,
+    write_history,
+)
+from tests.support import accounts_spec
+
+pytestmark = pytest.mark.integration
+
+T0 = datetime(2026, 11, 4, 8, tzinfo=UTC)
+SEQUENCE_TYPE = T.StructType(
+    [
+        T.StructField("source_lsn", T.LongType()),
+        T.StructField("kafka_partition", T.IntegerType()),
+        T.StructField("kafka_offset", T.LongType()),
+    ]
+)
+
+
+def _spec(**overrides):
+    return accounts_spec("history-topic", balance="bigint", history=True, **overrides)
+
+
+def _schema(toasted: bool) -> T.StructType:
+    return T.StructType(
+        [
+            T.StructField("id", T.LongType()),
+            T.StructField("name", T.StringType()),
+            T.StructField("balance", T.LongType()),
+            T.StructField(OP, T.StringType()),
+            T.StructField(SEQUENCE, SEQUENCE_TYPE),
+            T.StructField(SOURCE_TS, T.TimestampType()),
+            T.StructField(KAFKA_PARTITION, T.IntegerType()),
+            T.StructField(KAFKA_OFFSET, T.LongType()),
+            T.StructField(HOUR, T.StringType()),
+            T.StructField(DELETED, T.BooleanType()),
+            *([T.StructField(has_value("name"), T.BooleanType())] if toasted else []),
+        ]
+    )
+
+
+def _change(op, row_id, lsn, *, offset=None, name=None, balance=None, carried=True):
+    """A decoded change (as the decoder's frame holds it) at `lsn` seconds after T0."""
+    offset = lsn if offset is None else offset
+    return {
+        "id": row_id,
+        "name": name if name is not None or not carried else f"n{lsn}",
+        "balance": balance if balance is not None else lsn,
+        OP: op,
+        SEQUENCE: (lsn, 0, offset),
+        SOURCE_TS: (T0 + timedelta(seconds=lsn)).replace(tzinfo=None),
+        KAFKA_PARTITION: 0,
+        KAFKA_OFFSET: offset,
+        HOUR: "2026-11-04-08:00",
+        DELETED: op == "d",
+        "_carried": carried,
+    }
+
+
+def _frame(spark, changes, toasted=False):
+    rows = []
+    for c in changes:
+        row = [c[f] for f in ("id", "name", "balance", OP, SEQUENCE, SOURCE_TS)]
+        row += [c[KAFKA_PARTITION], c[KAFKA_OFFSET], c[HOUR], c[DELETED]]
+        rows.append((*row, c["_carried"]) if toasted else tuple(row))
+    return spark.createDataFrame(rows, _schema(toasted))
+
+
+def _write(spark, spec, path, changes, run, toasted=False):
+    return write_history(
+        spark,
+        spec,
+        path,
+        _frame(spark, changes, toasted),
+        ingested_at=T0,
+        run_metadata={"hour": "2026-11-04-08:00", "run": run, "slice": {}},
+    )
+
+
+def _versions(spark, path):
+    rows = spark.read.format("delta").load(path).orderBy("id", SEQUENCE).collect()
+    return [
+        (
+            r["id"],
+            r[SEQUENCE]["source_lsn"],
+            None if r[END_SEQUENCE] is None else r[END_SEQUENCE]["source_lsn"],
+            r[OP],
+            r[CURRENT],
+        )
+        for r in rows
+    ]
+
+
+def test_a_late_version_splits_its_interval_and_a_replay_adds_nothing(spark, tmp_path):
+    spec, path = _spec(), str(tmp_path / "accounts__history")
+    later = [_change("u", 1, 30), _change("d", 1, 50), _change("c", 2, 40)]
+    first = _write(spark, spec, path, later, run=1)
+    assert (first.versions, first.opened, first.known) == (3, 3, 0)
+
+    earlier = [_change("c", 1, 10), _change("u", 1, 40, offset=7), _change("u", 1, 40, offset=9)]
+    second = _write(spark, spec, path, earlier, run=2)
+    # The u at 40 came twice (one version, the lower offset); it falls between 30 and 50.
+    assert (second.versions, second.opened, second.known, second.closed) == (2, 2, 0, 0)
+    assert _versions(spark, path) == [
+        (1, 10, 30, "c", False),
+        (1, 30, 40, "u", False),
+        (1, 40, 50, "u", False),
+        (1, 50, None, "d", True),
+        (2, 40, None, "c", True),
+    ]
+    stored = spark.read.format("delta").load(path).where((F.col("id") == 1) & (F.col(OP) == "u"))
+    assert sorted(r[KAFKA_OFFSET] for r in stored.collect()) == [7, 30]
+    window = spark.read.format("delta").load(path).where("id = 1").orderBy(SEQUENCE).collect()
+    assert [r[VALID_TO] for r in window[:-1]] == [r[VALID_FROM] for r in window[1:]]
+
+    again = _write(spark, spec, path, earlier + later, run=3)
+    assert (again.versions, again.opened, again.known, again.rewritten) == (5, 0, 5, 0)
+    assert again.version is None  # nothing changed: a metadata-only commit records the run
+
+    newer = _write(spark, spec, path, [_change("c", 2, 60)], run=4)
+    assert (newer.opened, newer.closed) == (1, 1)
+    moment = F.lit((T0 + timedelta(seconds=45)).replace(tzinfo=None)).cast("timestamp")
+    then = as_of(spark.read.format("delta").load(path), moment).collect()
+    assert sorted((r["id"], r["balance"]) for r in then) == [(1, 40), (2, 40)]
+
+
+def test_a_toasted_value_comes_from_the_version_before_it_whenever_that_arrives(spark, tmp_path):
+    spec = _spec(toasted_columns=("name",))
+    path = str(tmp_path / "accounts__history")
+    unchanged = [_change("u", 1, 30, carried=False), _change("u", 1, 40, carried=False)]
+    _write(spark, spec, path, unchanged, run=1, toasted=True)
+    rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+    assert [(r["name"], r["_cdc_unknown__name"]) for r in rows] == [(None, True), (None, True)]
+
+    _write(spark, spec, path, [_change("c", 1, 10, name="first")], run=2, toasted=True)
+    rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+    assert [(r["name"], r["_cdc_unknown__name"]) for r in rows] == [("first", False)] * 3
+
+    _write(spark, spec, path, [_change("u", 1, 35, name="second")], run=3, toasted=True)
+    rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+    assert [r["name"] for r in rows] == ["first", "first", "second", "second"]
+
+
+def test_the_audit_fails_when_history_and_mirror_disagree(spark, tmp_path):
+    spec, path = _spec(), str(tmp_path / "accounts__history")
+    changes = [_change("c", 1, 10), _change("u", 1, 20), _change("c", 2, 30)]
+    _write(spark, spec, path, changes, run=1)
+    mirror = str(tmp_path / "accounts")
+    live = [(1, "n20", 20), (2, "n30", 30)]
+    frame = spark.createDataFrame(live, "id bigint, name string, balance bigint")
+    frame.withColumn(DELETED, F.lit(False)).write.format("delta").save(mirror)
+    keys = _frame(spark, changes)
+    columns = ["id", "name", "balance"]
+    audit = audit_history(spark, spec, path, mirror, keys, columns)
+    assert (audit.keys, audit.problems) == (2, [])
+
+    # The mirror holds another balance for key 2: the check must say so.
+    spark.sql(f"UPDATE delta.`{mirror}` SET balance = 31 WHERE id = 2")
+    audit = audit_history(spark, spec, path, mirror, keys, columns)
+    assert audit.mirror_mismatches == 1 and len(audit.problems) == 1
+
+    # A version whose end was lost (two current versions of key 1): both failures named.
+    spark.sql(f"UPDATE delta.`{path}` SET {CURRENT} = true, {END_SEQUENCE} = null WHERE id = 1")
+    audit = audit_history(spark, spec, path, mirror, keys, columns)
+    assert (audit.current_not_one, audit.broken_intervals) == (1, 1)
