@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession, Window
@@ -52,6 +53,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.merge import (
     DELETION_VECTORS_PROPERTY,
     MERGE_PERSISTENT_DVS,
+    fill_defaults,
     persistent_deletion_vectors,
 )
 from cdc_assets.toast import unknown_flag
@@ -179,14 +181,25 @@ def write_history(
     ingested_at,
     run_metadata: dict,
     key_range: Mapping[str, tuple] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     s3_client=None,
 ) -> HistoryOutcome:
     """MERGEs the hour's versions into the history at `path` (created on the first run) and
     re-derives the ends of the keys it touches, in one commit carrying `run_metadata`; a run
-    that changes nothing records itself in a metadata-only commit."""
+    that changes nothing records itself in a metadata-only commit. A column with a default
+    (`defaults`, as the mirror's MERGE takes them) that the history gains shows it in the
+    versions from before, as the mirror's rows from before do (`merge.fill_defaults`)."""
     return retry_on_conflict(
         lambda: _write_once(
-            spark, spec, path, changes, ingested_at, run_metadata, key_range or {}, s3_client
+            spark,
+            spec,
+            path,
+            changes,
+            ingested_at,
+            run_metadata,
+            key_range or {},
+            defaults or {},
+            s3_client,
         ),
         table=history_name(spec),
         path=path,
@@ -201,6 +214,7 @@ def _write_once(
     ingested_at,
     run_metadata: dict,
     key_range: Mapping[str, tuple],
+    defaults: Mapping[str, Any],
     s3_client,
 ) -> HistoryOutcome:
     keys = list(spec.primary_key)
@@ -208,7 +222,10 @@ def _write_once(
     new = hour_versions(spec, changes, ingested_at)
     data = data_columns(spec, changes)
     columns = version_columns(spec, data)
-    table = _create_if_not_exists(spark, path, _schema(spec, new, columns), spec)
+    schema = _schema(spec, new, columns)
+    table = _create_if_not_exists(spark, path, schema, spec)
+    if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema):
+        table = DeltaTable.forPath(spark, path)  # one made before the schema changed
     stored = _stored_versions(spark, path, keys, key_range, new.select(*keys))
     stored_names = {f.name.lower() for f in table.toDF().schema}
     evolving = any(c.lower() not in stored_names for c in columns)

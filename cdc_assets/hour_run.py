@@ -258,6 +258,9 @@ def apply(
         )
     commit = _run_record(ctx, hour, changes, held, hour_truncate)
     latest = frames.keep(latest_per_key(good, spec))  # the MERGE's source, the expectations'
+    defaults = fillable_defaults(
+        spec, changes.defaults, changes.stored_schema, set(ctx.running(SOURCE_COLUMNS, ()))
+    )
     if not hour.local:
         latest.count()  # fills the cache once: the queries below read it twice each
     with merge_source(ctx.spark, materialized=not hour.local):
@@ -275,16 +278,23 @@ def apply(
             ),
             key_range=key_range(spec, tally),
             ledger=ctx.ledger,
-            defaults=fillable_defaults(
-                spec, changes.defaults, changes.stored_schema, set(ctx.running(SOURCE_COLUMNS, ()))
-            ),
+            defaults=defaults,
         )
     version = outcome.recorded_version
     with commit_metadata(ctx.spark, {**commit, MOVED_ROWS: True}):
         if toast.resolve_moves(ctx.spark, spec, ctx.path):
             version = current_version(ctx.spark, ctx.path, ctx.ledger)
     return Applied(
-        spec, outcome, version, latest, distinct_keys, older_than_truncate, commit, good, tally
+        spec,
+        outcome,
+        version,
+        latest,
+        distinct_keys,
+        older_than_truncate,
+        commit,
+        good,
+        tally,
+        defaults,
     )
 
 
@@ -305,6 +315,7 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         ingested_at=hour.ingested_at,
         run_metadata=applied.commit,
         key_range=bounds,
+        defaults=applied.defaults,
         s3_client=ctx.lake.s3_client(),
     )
     audit = audit_history(
@@ -509,6 +520,7 @@ class Applied:
     commit: dict
     changes: DataFrame  # the hour's applicable changes, every one (the history's versions)
     tally: Tally
+    defaults: dict[str, Any]  # the column defaults rows from before a new column take
 
 
 class _Frames:

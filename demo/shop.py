@@ -383,11 +383,14 @@ def demo_first_hour(seeded: set[datetime], now: datetime) -> datetime:
 # The demo's tier-0 table: the offset sensor refreshes its open hour every few minutes, so a
 # newcomer sees a mirror that follows the shop within minutes, not after the hour closes.
 TIER0_TABLE, TIER0_REFRESH_MINUTES = "orders", 5
+# The demo's table with history: every version of every customer in customers__history.
+HISTORY_TABLE = "customers"
 
 
 def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
-    """cdc_assets/tables.yaml with the demo's partitions starting where its data starts, and
-    `TIER0_TABLE` refreshed every `TIER0_REFRESH_MINUTES` while an hour is open."""
+    """cdc_assets/tables.yaml with the demo's partitions starting where its data starts,
+    `TIER0_TABLE` refreshed every `TIER0_REFRESH_MINUTES` while an hour is open, and
+    `HISTORY_TABLE` keeping its history."""
     import yaml
 
     from cdc_assets.config import DEFAULT_TABLES_FILE
@@ -398,10 +401,13 @@ def write_tables_file(first_hour: datetime, path: Path = TABLES_FILE) -> Path:
         table["start_hour"] = hour_key(first_hour)
         if table["name"] == TIER0_TABLE:
             table["refresh_minutes"] = TIER0_REFRESH_MINUTES
+        if table["name"] == HISTORY_TABLE:
+            table["history"] = True
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         "# Written by demo/shop.py: cdc_assets/tables.yaml, starting at the demo's first hour,\n"
-        f"# with {TIER0_TABLE} refreshed every {TIER0_REFRESH_MINUTES} minutes (tier-0).\n"
+        f"# with {TIER0_TABLE} refreshed every {TIER0_REFRESH_MINUTES} minutes (tier-0) and\n"
+        f"# {HISTORY_TABLE}'s history kept ({HISTORY_TABLE}__history).\n"
     )
     path.write_text(header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
     return path

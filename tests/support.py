@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from kafka import KafkaConsumer, TopicPartition
@@ -108,13 +109,18 @@ def free_ports(count: int) -> list[int]:
 
 def mirror_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:
     """The mirror's live rows as Python values typed like demo.reference's (UTC-aware times)."""
-    frame = live_rows(spark, path)
+    return typed_rows(live_rows(spark, path), spec)
+
+
+def typed_rows(frame, spec: TableSpec, extra: Sequence[str] = ()) -> dict[tuple, dict]:
+    """`frame`'s rows by primary key: the spec's columns typed like demo.reference's (UTC-aware
+    times), and `extra` columns as Spark returns them."""
     columns = []
     for name, declared in spec.columns.items():
         col = F.col(name)
         columns.append(F.unix_micros(col).alias(name) if _is_timestamp(declared) else col)
     rows = {}
-    for row in frame.select(*columns).collect():
+    for row in frame.select(*columns, *extra).collect():
         values = row.asDict()
         for name, declared in spec.columns.items():
             if _is_timestamp(declared) and values[name] is not None:

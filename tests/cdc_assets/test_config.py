@@ -111,6 +111,11 @@ def test_shipped_tables_file_loads():
             "false for readers",
         ),
         ({"deletion_vectors": 0}, "setting 'deletion_vectors': 0 is not true or false"),
+        ({"name": "customers__history"}, "ends in '__history', which names history tables"),
+        (
+            {"history": True, "on_truncate": "apply"},
+            "history: true with on_truncate: apply is not supported yet",
+        ),
     ],
 )
 def test_each_bad_setting_is_named(overrides, expected):

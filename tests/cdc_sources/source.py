@@ -182,6 +182,41 @@ def mirror_live_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tu
     }
 
 
+def source_moment(connection, table: str, spec: TableSpec) -> tuple[datetime, dict[tuple, dict]]:
+    """The source's clock and `source_rows` at one moment (nothing written in between): what
+    the history `as of` that moment must hold. Postgres' clock is the one Debezium's
+    `source.ts_ms` (a transaction's commit time) is read from."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        (moment,) = cursor.fetchone()
+    return moment.astimezone(UTC), source_rows(connection, table, spec)
+
+
+def history_as_of(
+    spark: SparkSession, path: str, spec: TableSpec, moment: datetime
+) -> tuple[dict[tuple, dict], dict[tuple, list[str]]]:
+    """`<table>__history` at `path` as of `moment` (`cdc_assets.history.as_of`), its rows
+    normalized as `source_rows`, and per key the TOASTed columns whose value it says it does not
+    know (`_cdc_unknown__C`: left None in the rows)."""
+    from pyspark.sql import functions as F
+
+    from cdc_assets.history import as_of
+    from tests.support import typed_rows
+
+    naive = moment.astimezone(UTC).replace(tzinfo=None)  # the session's zone is UTC
+    versions = as_of(spark.read.format("delta").load(path), F.lit(naive).cast("timestamp"))
+    rows, unknown = {}, {}
+    flags = [f"_cdc_unknown__{c}" for c in spec.toasted_columns]
+    for key, row in typed_rows(versions, spec, flags).items():
+        missing = [c for c in spec.toasted_columns if row.get(f"_cdc_unknown__{c}")]
+        if missing:
+            unknown[key] = missing
+        rows[key] = {
+            c: None if c in missing else normalize(spec.columns[c], row[c]) for c in spec.columns
+        }
+    return rows, unknown
+
+
 def live_rows_outside_spark(
     path: str, spec: TableSpec, columns: list[str]
 ) -> dict[str, dict[tuple, dict]]:

@@ -32,10 +32,16 @@ def test_the_tables_file_is_the_packaged_one_starting_at_the_first_hour(tmp_path
     packaged = load_tables()
     assert [s.name for s in written] == [s.name for s in packaged]
     assert {s.start_hour for s in written} == {"2026-11-25-18:00"}
-    # The packaged tables, but for the first hour and the demo's tier-0 table.
+    # The packaged tables, but for the first hour, the demo's tier-0 table and its history.
     tier0 = {"orders": 5}
     assert [s.model_copy(update={"start_hour": "x"}) for s in written] == [
-        s.model_copy(update={"start_hour": "x", "refresh_minutes": tier0.get(s.name)})
+        s.model_copy(
+            update={
+                "start_hour": "x",
+                "refresh_minutes": tier0.get(s.name),
+                "history": s.name == "customers",
+            }
+        )
         for s in packaged
     ]
     # The demo's analytics come with its tables: the copy keeps the file's switch.
