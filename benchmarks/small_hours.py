@@ -4,6 +4,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --conf spark.sql.adaptive.enabled=true
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages   # and each stage's time
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --jobs     # the last hour's Spark jobs
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -43,7 +44,7 @@ from kafka.admin import NewTopic
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
-from demo.reference import replay
+from demo.reference import history, replay
 from devtools import kafka_broker
 from devtools.processes import port_free
 from resources.kafka import KafkaResource
@@ -58,7 +59,7 @@ KEYS = 500
 WARM_FROM = 3  # hours before this one warm the JVM up and are left out of the mean
 
 
-def _spec() -> TableSpec:
+def _spec(history: bool = False) -> TableSpec:
     return TableSpec(
         name="accounts",
         topic="small-hours",
@@ -66,6 +67,7 @@ def _spec() -> TableSpec:
         columns={"id": "bigint", "name": "string", "balance": "bigint"},
         start_hour="2026-11-01-00:00",
         decimal_handling="string",
+        history=history,
     )
 
 
@@ -128,6 +130,9 @@ STAGES = [
     ("pyspark.sql.classic.dataframe", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
     ("cdc_assets.hour_run", "current_version", "  current version"),
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
+    ("cdc_assets.hour_run", "keep_history", "keep history (history: true)"),
+    ("cdc_assets.hour_run", "write_history", "  its MERGE (the keys' versions re-derived)"),
+    ("cdc_assets.hour_run", "audit_history", "  its audit (read back, beside the mirror)"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
     ("checks.expectations", "_validate", "  great-expectations"),
     ("cdc_assets.hour_run", "account", "account"),
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conf", action="append", default=[], help="KEY=VALUE, a Spark setting")
     parser.add_argument("--stages", action="store_true", help="time the hour run's stages")
     parser.add_argument("--jobs", action="store_true", help="list the last hour's Spark jobs")
+    parser.add_argument("--history", action="store_true", help="the table keeps its history")
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = kafka_broker.BrokerConfig(port=port, data_dir=work / "kafka")
     bootstrap = kafka_broker.start(broker)
     try:
-        spec = _spec()
+        spec = _spec(args.history)
         records = _send(bootstrap, spec.topic, args.hours, args.changes)
         resource = SparkResource(
             master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1, extra_conf=extra
@@ -286,7 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             if k[0] not in mirror or any(mirror[k[0]][c] != row[c] for c in spec.columns)
         ]
         print(f"mirror against the replay: {len(expected)} keys, {len(wrong)} differ")
-        return 1 if wrong or len(mirror) != len(expected) else 0
+        versions_differ = False
+        if args.history:
+            stored = spark.read.format("delta").load(lake.table_path(f"{spec.name}__history"))
+            versions = sum(len(v) for v in history(spec, records).values())
+            versions_differ = stored.count() != versions
+            print(f"history: {stored.count()} versions, the reference's {versions}")
+        return 1 if wrong or len(mirror) != len(expected) or versions_differ else 0
     finally:
         kafka_broker.stop(broker)
 

@@ -18,7 +18,8 @@ TOASTed values (`toasted_columns`): a version that does not carry one takes the 
 newest version before it that did (recomputed with every run, so it is right when that version
 arrives later); where no version of the key carried one, the value is null and
 `_cdc_unknown__C` true. Not followed across a primary-key move (the mirror's `resolve_moves`):
-a moved row's versions say unknown until a change carries the value.
+a moved row's versions say unknown until a change carries the value. A column with a default
+that the history gains shows the default in its versions from before, as the mirror's rows do.
 
 The history's MERGE is its own commit, after the mirror's, carrying the same run record: a run
 that dies between the two is completed by running the hour again (the mirror finds its changes
