@@ -123,13 +123,16 @@ class HistoryAudit:
     current version, versions whose end is not the next version's start (an overlap or a gap),
     and the keys whose current live version differs from the mirror's live row (either side
     missing, or a value differing), of `keys` keys; `unknown` current versions with a TOASTed
-    value not known (compared only where known)."""
+    value not known (compared only where known); with `delete_mode: hard`, keys the history
+    has deleted that the mirror holds again because an older change ran after the delete (hard
+    deletes converge only in order: reported, not a failure of the history)."""
 
     keys: int
     current_not_one: int
     broken_intervals: int
     mirror_mismatches: int
     unknown: int = 0
+    revived_by_hard_delete_order: int = 0
 
     @property
     def problems(self) -> list[str]:
@@ -151,7 +154,7 @@ class HistoryAudit:
 def hour_versions(spec: TableSpec, changes: DataFrame, ingested_at) -> DataFrame:
     """The hour's applicable changes as versions: one per key and source sequence (a change
     delivered twice keeps its lowest Kafka coordinates, so the stored row does not depend on
-    which delivery a run saw first)."""
+    which delivery a run saw first). Columns keep their metadata (a masked column's marks)."""
     data = data_columns(spec, changes)
     fields = source_fields(changes.schema[SEQUENCE].dataType)
     toasted = [has_value(c) for c in spec.toasted_columns]
@@ -165,7 +168,11 @@ def hour_versions(spec: TableSpec, changes: DataFrame, ingested_at) -> DataFrame
         .agg(F.min(SEQUENCE).alias(SEQUENCE), first.alias("_v"))
         .select(
             *spec.primary_key,
-            *[F.col(f"_v.{c}").alias(c) for c in row if c not in spec.primary_key],
+            *[
+                F.col(f"_v.{c}").alias(c, metadata=changes.schema[c].metadata)
+                for c in row
+                if c not in spec.primary_key
+            ],
             SEQUENCE,
         )
         .withColumnRenamed(SOURCE_TS, VALID_FROM)
@@ -225,15 +232,19 @@ def _write_once(
     columns = version_columns(spec, data)
     schema = _schema(spec, new, columns)
     table = _create_if_not_exists(spark, path, schema, spec)
-    if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema):
+    # Not into deletes' versions: the decoder gives a delete's before-image no default.
+    live = ~F.col(DELETED)
+    if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema, live):
         table = DeltaTable.forPath(spark, path)  # one made before the schema changed
     stored = _stored_versions(spark, path, keys, key_range, new.select(*keys))
     stored_names = {f.name.lower() for f in table.toDF().schema}
     evolving = any(c.lower() not in stored_names for c in columns)
     derived = _derived(spec, new, stored, data, fields).persist()
     try:
+        # The hour's versions counted on the batch itself, apart from the versions derived.
+        versions = changes.select(*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)).distinct()
         counted = derived.agg(
-            F.count(F.when(F.col("_new"), 1)).alias("versions"),
+            F.lit(versions.count()).alias("versions"),
             F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
             F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
         ).first()
@@ -359,12 +370,25 @@ def _derived(
         .withColumn(VALID_TO, F.lead(VALID_FROM).over(ordered))
         .withColumn(CURRENT, F.lead(SEQUENCE).over(ordered).isNull())
     )
-    upto = ordered.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    if not spec.toasted_columns:
+        return derived
+    # A key's life ends with a delete: a value carried before it is not the next life's (a row
+    # moved to the key later starts without one, as in the mirror).
+    before = ordered.rowsBetween(Window.unboundedPreceding, -1)
+    life = F.coalesce(F.sum(F.col(DELETED).cast("int")).over(before), F.lit(0))
+    derived = derived.withColumn("_life", life)
+    upto = (
+        Window.partitionBy(*keys, "_life")
+        .orderBy(SEQUENCE)
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
     for c in spec.toasted_columns:
-        carried = F.last(F.when(F.col(has_value(c)), F.struct(F.col(c).alias("v"))), True)
+        # A version stored before the column was toasted has no flag: its value is its own.
+        carries = F.coalesce(F.col(has_value(c)), F.lit(True))
+        carried = F.last(F.when(carries, F.struct(F.col(c).alias("v"))), True)
         newest = carried.over(upto)
         derived = derived.withColumn(c, newest["v"]).withColumn(unknown_flag(c), newest.isNull())
-    return derived
+    return derived.drop("_life")
 
 
 def audit_history(
@@ -393,20 +417,23 @@ def audit_history(
         F.sum(F.col(CURRENT).cast("int")).alias("_current"),
         F.sum(F.col("_broken").cast("int")).alias("_broken"),
     )
-    live_current = versions.where(F.col(CURRENT) & ~F.col(DELETED))
+    current = versions.where(F.col(CURRENT))
     mirror = spark.read.format("delta").load(mirror_path)
     for key, (low, high) in (key_range or {}).items():
         mirror = mirror.where(F.col(key).between(F.lit(low), F.lit(high)))
     mirror_live = mirror.where(~F.col(DELETED)).join(hour_keys, on=keys, how="left_semi")
     compared = [c for c in data if c not in keys and c in mirror.columns]
-    h = live_current.select(
+    h = current.select(
         *keys,
-        F.lit(True).alias("_h"),
+        F.col(DELETED).alias("_h_deleted"),
+        F.col(SEQUENCE).alias("_h_sequence"),
         *[F.col(c).alias(f"_h_{c}") for c in compared],
         *[F.col(unknown_flag(c)).alias(f"_hu_{c}") for c in spec.toasted_columns],
     )
     m = mirror_live.select(
-        *keys, F.lit(True).alias("_m"), *[F.col(c).alias(f"_m_{c}") for c in compared]
+        *keys,
+        F.col(SEQUENCE).alias("_m_sequence"),
+        *[F.col(c).alias(f"_m_{c}") for c in compared],
     )
     same = F.lit(True)
     for c in compared:
@@ -415,13 +442,22 @@ def audit_history(
             equal = equal | F.col(f"_hu_{c}")
         same = same & equal
     pairs = h.join(m, on=keys, how="full_outer")
-    differs = F.col("_h").isNull() | F.col("_m").isNull() | ~same
+    in_history = F.col("_h_sequence").isNotNull() & ~F.col("_h_deleted")
+    in_mirror = F.col("_m_sequence").isNotNull()
+    # delete_mode: hard converges only in order (cdc_assets/rule.py): an older change that ran
+    # after the delete put the row back in the mirror. The history is right; counted apart.
+    revived = F.lit(spec.delete_mode == "hard") & F.coalesce(
+        F.col("_h_deleted") & in_mirror & (F.col("_m_sequence") < F.col("_h_sequence")),
+        F.lit(False),
+    )
+    differs = ~revived & ((in_history != in_mirror) | (in_history & in_mirror & ~same))
     unknown = F.lit(False)
     for c in spec.toasted_columns:
-        unknown = unknown | F.coalesce(F.col(f"_hu_{c}"), F.lit(False))
+        unknown = unknown | (in_history & F.coalesce(F.col(f"_hu_{c}"), F.lit(False)))
     mirror_side = pairs.agg(
         F.count(F.when(differs, 1)).alias("mismatches"),
         F.count(F.when(unknown, 1)).alias("unknown"),
+        F.count(F.when(revived, 1)).alias("revived"),
     ).first()
     own = per_key.agg(
         F.count(F.lit(1)).alias("keys"),
@@ -434,6 +470,7 @@ def audit_history(
         broken_intervals=int(own["broken"]),
         mirror_mismatches=int(mirror_side["mismatches"]),
         unknown=int(mirror_side["unknown"]),
+        revived_by_hard_delete_order=int(mirror_side["revived"]),
     )
 
 

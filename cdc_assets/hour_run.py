@@ -178,9 +178,13 @@ def plan(
 
 def stored_mirror(ctx: HourContext) -> T.StructType | None:
     """The mirror's schema as stored (None before its first run), refused before anything is
-    read when it holds raw values of a column the table now masks (`check_stored_mirror`)."""
+    read when it (or the table's history) holds raw values of a column the table now masks
+    (`check_stored_mirror`)."""
     stored_schema = mirror_schema(ctx.spark, ctx.path)
     check_stored_mirror(stored_schema, ctx.path, ctx.spec)
+    if ctx.spec.history and ctx.spec.sensitive:  # the history keeps every value: the same rule
+        path = ctx.lake.table_path(history_name(ctx.spec))
+        check_stored_mirror(mirror_schema(ctx.spark, path), path, ctx.spec, "history")
     return stored_schema
 
 

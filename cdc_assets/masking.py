@@ -108,9 +108,11 @@ def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> Da
     return masked.drop(*dropped_columns(spec))
 
 
-def check_stored_mirror(schema: T.StructType | None, path: str, spec: TableSpec) -> None:
+def check_stored_mirror(
+    schema: T.StructType | None, path: str, spec: TableSpec, what: str = "mirror"
+) -> None:
     """Refuses to run when the mirror (`schema`, None before its first run) already stores a
-    sensitive column unmasked.
+    sensitive column unmasked; `what` names the table (the history is checked the same way).
 
     Marking a column sensitive doesn't rewrite the rows already stored; rather than leave raw
     values beside hashed ones, the run stops and says how to rebuild the mirror.
@@ -126,9 +128,10 @@ def check_stored_mirror(schema: T.StructType | None, path: str, spec: TableSpec)
     ]
     if raw:
         raise MaskedMirrorError(
-            f"table '{spec.name}', setting 'sensitive': the mirror at {path} was written before "
+            f"table '{spec.name}', setting 'sensitive': the {what} at {path} was written before "
             f"columns [{', '.join(raw)}] were marked sensitive and may hold their raw values. "
-            "Masking doesn't rewrite stored rows (nor the table's history): delete the mirror's "
-            "folder and run its hours again while Kafka still holds them (they converge to the "
-            "same table, masked), or remove the setting. Nothing was read or written."
+            f"Masking doesn't rewrite stored rows (nor the table's Delta history): delete the "
+            f"{what}'s folder and run its hours again while Kafka still holds them (they "
+            "converge to the same table, masked), or remove the setting. Nothing was read or "
+            "written."
         )

@@ -212,6 +212,7 @@ def fill_defaults(
     schema: T.StructType,
     defaults: Mapping[str, Any],
     stored: T.StructType,
+    rows: Column | None = None,
 ) -> bool:
     """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
     the mirror gains while it holds rows: the rows from before it show the default, as the
@@ -224,7 +225,9 @@ def fill_defaults(
     replaced by a note. Any run that finds such a comment (a crash came between) fills the
     rows with the default it names before its MERGE, whatever defaults the run knows, so no
     MERGE writes the column before its fill. `stored` is the mirror's schema as the run found
-    it (`ensure_mirror_table` has it already). Returns whether it changed the table's schema.
+    it (`ensure_mirror_table` has it already). `rows` narrows the rows that take the default
+    (the history: not the versions that are deletes, to which the decoder gives none). Returns
+    whether it changed the table's schema.
     """
     defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
     quoted = path.replace("`", "``")
@@ -252,7 +255,9 @@ def fill_defaults(
         )
         for f in pending
     }
-    table.update(set={f.name: F.lit(values[f.name]).cast(f.dataType) for f in pending})
+    table.update(
+        condition=rows, set={f.name: F.lit(values[f.name]).cast(f.dataType) for f in pending}
+    )
     for f in pending:
         log.info(
             "table '%s': column '%s' added, its default in the rows from before it",

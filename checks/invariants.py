@@ -432,6 +432,7 @@ def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResu
         "broken_intervals": audit.broken_intervals,
         "keys_differing_from_mirror": audit.mirror_mismatches,
         "current_versions_with_unknown_toasted_values": audit.unknown,
+        "keys_revived_in_mirror_by_hard_delete_order": audit.revived_by_hard_delete_order,
     }
     if outcome.version is not None:
         metadata["history_version"] = outcome.version

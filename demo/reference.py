@@ -151,8 +151,9 @@ def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]
     delete's before-image) with `_cdc_op`, `_cdc_deleted`, `_cdc_sequence` (the source
     sequence), `_cdc_end_sequence` (the next version's, None for the newest), `_cdc_valid_from`
     and `_cdc_valid_to` (source.ts_ms as UTC datetimes) and `_cdc_current`. A toasted column a
-    change did not carry holds the newest value an earlier version of the same key carried,
-    None when none did (`_cdc_unknown__C`); a primary-key move is not followed. Truncates are
+    change did not carry holds the newest value an earlier version of the same key carried
+    since its last delete, None when none did (`_cdc_unknown__C`); a primary-key move is not
+    followed. Truncates are
     not replayed (a table with history refuses `on_truncate: apply`). Returns versions by
     primary-key tuple, oldest first.
     """
@@ -196,6 +197,8 @@ def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]
                 _cdc_current=following is None,
             )
             rows.append(version)
+            if op == "d":
+                carried = {}  # the key's next life (a row moved to it) starts without values
         out[key] = rows
     return out
 

@@ -5,7 +5,7 @@ when the history and the mirror disagree.
 
 The whole pipeline's history, hours in any order against the plain-Python reference, is the
 convergence property's (tests/faults/test_convergence.py); a crash between the mirror's commit
-and the history's is tests/faults/test_crashes.py's.
+and the history's, and TOASTed values through the pipeline, are tests/faults/test_history.py's.
 """
 
 from __future__ import annotations
@@ -178,9 +178,8 @@ def test_the_audit_fails_when_history_and_mirror_disagree(spark, tmp_path):
     changes = [_change("c", 1, 10), _change("u", 1, 20), _change("c", 2, 30)]
     _write(spark, spec, path, changes, run=1)
     mirror = str(tmp_path / "accounts")
-    live = [(1, "n20", 20), (2, "n30", 30)]
-    frame = spark.createDataFrame(live, "id bigint, name string, balance bigint")
-    frame.withColumn(DELETED, F.lit(False)).write.format("delta").save(mirror)
+    newest = _frame(spark, [changes[1], changes[2]])  # the mirror: each key's newest change
+    newest.select("id", "name", "balance", SEQUENCE, DELETED).write.format("delta").save(mirror)
     keys = _frame(spark, changes)
     columns = ["id", "name", "balance"]
     audit = audit_history(spark, spec, path, mirror, keys, columns)
@@ -195,3 +194,36 @@ def test_the_audit_fails_when_history_and_mirror_disagree(spark, tmp_path):
     spark.sql(f"UPDATE delta.`{path}` SET {CURRENT} = true, {END_SEQUENCE} = null WHERE id = 1")
     audit = audit_history(spark, spec, path, mirror, keys, columns)
     assert (audit.current_not_one, audit.broken_intervals) == (1, 1)
+
+
+def test_a_toasted_value_stays_in_its_life_and_in_versions_from_before_toasting(spark, tmp_path):
+    path = str(tmp_path / "accounts__history")
+    # Stored while name was not toasted: the versions hold their own values, no flags.
+    _write(spark, _spec(), path, [_change("c", 1, 10, name="a"), _change("u", 1, 20, name="b")], 1)
+    toasted = _spec(toasted_columns=("name",))
+    later = [
+        _change("u", 1, 30, name="c"),
+        _change("d", 1, 40, carried=False),
+        _change("c", 1, 50, carried=False),  # a row moved to the key: no value of its own
+    ]
+    _write(spark, toasted, path, later, run=2, toasted=True)
+    rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+    assert [(r["name"], r["_cdc_unknown__name"]) for r in rows] == [
+        ("a", False),
+        ("b", False),
+        ("c", False),
+        ("c", False),  # the delete's before-image: the value it ended with
+        (None, True),  # a new life: not the value of the key's life before
+    ]
+
+
+def test_a_row_a_hard_delete_order_put_back_is_reported_not_failed(spark, tmp_path):
+    spec, path = _spec(delete_mode="hard"), str(tmp_path / "accounts__history")
+    changes = [_change("c", 1, 10), _change("d", 1, 30), _change("u", 1, 20)]
+    _write(spark, spec, path, changes, run=1)
+    mirror = str(tmp_path / "accounts")
+    # Hours out of order under delete_mode: hard: the update at 20 ran after the delete at 30.
+    revived = _frame(spark, [changes[2]])
+    revived.select("id", "name", "balance", SEQUENCE, DELETED).write.format("delta").save(mirror)
+    audit = audit_history(spark, spec, path, mirror, _frame(spark, changes), ["id", "name"])
+    assert (audit.revived_by_hard_delete_order, audit.problems) == (1, [])

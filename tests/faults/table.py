@@ -253,7 +253,8 @@ def history_differences(spark, path: str, spec_: TableSpec, records: Sequence[tu
     actual: dict[tuple, list[dict]] = {}
     for row in frame.collect():
         values = row.asDict()
-        version = {c: values[c] for c in compared}
+        version = {c: _utc(values[c]) if isinstance(values[c], datetime) else values[c]
+                   for c in compared}  # fmt: skip
         version.update(
             _cdc_sequence=position(values["_cdc_sequence"]),
             _cdc_end_sequence=position(values["_cdc_end_sequence"]),
