@@ -23,7 +23,9 @@ that the history gains shows the default in its versions from before, as the mir
 
 The history's MERGE is its own commit, after the mirror's, carrying the same run record: a run
 that dies between the two is completed by running the hour again (the mirror finds its changes
-stale, the history inserts what it lacks). What each run did (`HistoryOutcome`) and what the
+stale, the history inserts what it lacks). A refresh of an open hour (`refresh_minutes`) that
+dies there is not: the next refresh reads on from where the mirror's commit recorded, so that
+part of the hour reaches the history with the run after the hour closes, which reads it whole. What each run did (`HistoryOutcome`) and what the
 stored versions of its keys look like afterwards (`HistoryAudit`) feed the `history` check.
 """
 

@@ -32,6 +32,7 @@ from pydantic import Field
 from pyspark.sql import Row, SparkSession
 
 from cdc_assets.config import TableSpec
+from cdc_assets.history import history_name
 from cdc_assets.partitions import mirrors_pool
 from resources.lake import LakeResource
 from resources.spark import SparkResource, session_settings
@@ -246,8 +247,9 @@ class _Target:
 
 
 def _targets(spec: TableSpec, lake: LakeResource) -> list[_Target]:
-    """The mirror, then its error table, each with its Z-order and metadata prefix."""
-    return [
+    """The mirror, then its error table, then its history (`history: true`), each with its
+    Z-order and metadata prefix."""
+    targets = [
         _Target(spec.name, lake.table_path(spec.name), spec.primary_key, ""),
         _Target(
             spec.error_table_name,
@@ -256,6 +258,10 @@ def _targets(spec: TableSpec, lake: LakeResource) -> list[_Target]:
             "error_table_",
         ),
     ]
+    if spec.history:
+        name = history_name(spec)
+        targets.append(_Target(name, lake.table_path(name), spec.primary_key, "history_"))
+    return targets
 
 
 def _check_retentions(
@@ -292,7 +298,9 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
         group_name=MAINTENANCE_GROUP,
         description=(
             f"Compacts the Delta files of `{spec.name}` (OPTIMIZE, Z-ordered by {keys}) and of "
-            f"`{spec.error_table_name}`, then vacuums the files no version within the table's "
+            f"`{spec.error_table_name}`"
+            + (f" and `{history_name(spec)}`" if spec.history else "")
+            + ", then vacuums the files no version within the table's "
             "retention needs. Runs in the table's pool, never beside its MERGE; daily through "
             f"the `{MAINTENANCE_SCHEDULE}` schedule once it is turned on."
         ),
