@@ -58,6 +58,7 @@ TARGETS = (
     ("peak memory of any run of ours, GiB", 4.0, "max"),
     ("24 runs / 1 run, 24-hour backfill", 5.0, "min"),
     ("fixed overhead: empty hour / 1M-event hour, 10M rows", 0.10, "max"),
+    ("ours-history / ours, layout a, 1M events into 10M rows", 1.6, "max"),
 )
 
 
@@ -81,6 +82,7 @@ def targets(results: dict) -> list[dict]:
             _wall(results, backfill, "backfill-24-runs"), _wall(results, backfill, "backfill-1-run")
         ),
         _ratio(_wall(results, a, "ours-empty"), _wall(results, a, "ours")),
+        _ratio(_wall(results, a, "ours-history"), _wall(results, a, "ours")),
     ]
     out = []
     for (name, target, kind), value in zip(TARGETS, measured, strict=True):
@@ -184,11 +186,34 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def history_table(results: dict) -> str:
+    """The history's growth in each ours-history run: the versions it opened, and the files
+    and bytes its commits added (markdown; "" when no case ran the variant)."""
+    lines = []
+    for case in results["cases"]:
+        for run in case["runs"]:
+            if run["variant"] == "ours-history" and "history_files_written" in run:
+                lines.append(
+                    f"| {case['case']} | {run.get('history_versions_opened', '')} | "
+                    f"{run['history_files_written']} | {run['history_bytes_written'] / 1e6:.0f} |"
+                )
+    if not lines:
+        return ""
+    header = "| case | history versions opened | history files written | history MB written |"
+    return "\n".join([header, "|---|---|---|---|", *lines])
+
+
 def report(results: dict, stem: Path) -> None:
     print(text_table(results))
     print()
     print(targets_table(results))
+    grown = history_table(results)
+    if grown:
+        print()
+        print(grown)
     markdown = markdown_table(results) + "\n\n" + targets_table(results, markdown=True)
+    if grown:
+        markdown += "\n\n" + grown
     stem.with_suffix(".md").write_text(markdown + "\n")
     plot(results, stem.with_suffix(".png"))
     print(f"results: {stem}.json, {stem}.md, {stem}.png")

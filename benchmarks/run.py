@@ -88,7 +88,7 @@ PROFILES = {
     "standard": [
         Case("a", 100_000, 1_000_000, 1),
         Case("a", 100_000, 1_000_000, 4, variants=("floor", "ours")),
-        Case("a", 1_000_000, 10_000_000, 1, variants=(*VARIANTS, "ours-empty")),
+        Case("a", 1_000_000, 10_000_000, 1, variants=(*VARIANTS, "ours-empty", "ours-history")),
         Case("a", 5_000, 1_000_000, 1, variants=(), hours=24),
         Case("b", 1_000_000, 10_000_000, 1),
         Case("a", 1_000_000, 5_000_000, 1, variants=("ours",)),
@@ -100,7 +100,7 @@ PROFILES = {
     "tier0": [FleetCase(200, tier0=50)],
     # A few minutes: to see that everything works.
     "smoke": [
-        Case("a", 20_000, 200_000, 2, variants=(*VARIANTS, "ours-empty")),
+        Case("a", 20_000, 200_000, 2, variants=(*VARIANTS, "ours-empty", "ours-history")),
         Case("b", 20_000, 200_000, 1),
         Case("a", 2_000, 200_000, 1, variants=(), hours=4),
     ],
@@ -370,7 +370,11 @@ def run_case(
     reference = case_dir / "reference.parquet"
     write_reference(workload, reference)
     start_hour = first_hour.strftime(HOUR_FORMAT)
-    paths = {"plain": work / f"start-{case.rows}-plain", "mirror": work / f"start-{case.rows}"}
+    paths = {
+        "plain": work / f"start-{case.rows}-plain",
+        "mirror": work / f"start-{case.rows}",
+        "history": work / f"start-{case.rows}-history",
+    }
     stamp = paths["mirror"] / f".built-{_builder_stamp()}"
     if case.rows not in built and stamp.exists():
         built[case.rows] = paths
@@ -401,7 +405,13 @@ def run_case(
         ]
     measured, tables = [], {}
     for label, variant, run_hours, run_dir, fresh in runs:
-        kinds = {"ours": "mirror", "ours-empty": "mirror", "floor": "parquet", "auto-cdc": "sdp"}
+        kinds = {
+            "ours": "mirror",
+            "ours-empty": "mirror",
+            "ours-history": "mirror",
+            "floor": "parquet",
+            "auto-cdc": "sdp",
+        }
         kind = kinds.get(variant, "delta")
         table = {
             "mirror": run_dir / "lake" / TABLE,
@@ -413,7 +423,11 @@ def run_case(
             run_dir.mkdir()
             if kind in ("mirror", "delta"):
                 shutil.copytree(starts["mirror" if kind == "mirror" else "plain"], table)
+            if variant == "ours-history":  # the history of the starting rows beside the mirror
+                shutil.copytree(starts["history"], table.parent / f"{TABLE}__history")
         before = delta_version(table) if kind in ("mirror", "delta") else -1
+        history_table = table.parent / f"{TABLE}__history"
+        history_before = delta_version(history_table) if variant == "ours-history" else -1
         tag = run_hours[0][-5:-3]
         job = {
             **common,
@@ -436,6 +450,9 @@ def run_case(
             files = parquet_files(table)
         else:  # auto-cdc: what the hour's run added, after the setup run's commits
             files = delta_files(table, inside.get("setup_version", before))
+        if variant == "ours-history":  # the history's growth: what the hour's commits added
+            grown = delta_files(history_table, history_before)
+            files |= {f"history_{k}": v for k, v in grown.items()}
         measured.append({"variant": label, "hours": len(run_hours), **outside, **inside, **files})
         if variant != "ours-empty" and not inside.get("cannot_run"):  # ours-empty: the start
             tables[label] = ("delta" if kind == "sdp" else kind, str(table))
@@ -479,6 +496,7 @@ def _builder_stamp() -> str:
         "cdc_assets/decoding/plan.py",
         "cdc_assets/decoding/types.py",
         "cdc_assets/config.py",
+        "cdc_assets/history.py",
     )
     code = b"".join((REPO / name).read_bytes() for name in built_by)
     return hashlib.sha1(code).hexdigest()[:12]
@@ -544,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="standard")
     parser.add_argument("--only", nargs="*", help="run the cases whose name contains any of these")
     parser.add_argument(
-        "--variants", nargs="*", choices=[*VARIANTS, "ours-empty"], help="run only these"
+        "--variants",
+        nargs="*",
+        choices=[*VARIANTS, "ours-empty", "ours-history"],
+        help="run only these",
     )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench"))
     parser.add_argument(

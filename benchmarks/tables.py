@@ -2,8 +2,9 @@
 
 `python -m benchmarks.tables build JOB.json`: builds the starting table of N rows directly with
 Spark (ids 2, 4, ..., 2N, sorted into files of narrow id ranges, as an OPTIMIZE ZORDER BY id
-leaves a mirror), twice: plain (for floor/naive/delta-rs) and as the project's mirror (its
-`_cdc_*` columns and table properties, from the project's own schema functions).
+leaves a mirror), three times: plain (for floor/naive/delta-rs), as the project's mirror (its
+`_cdc_*` columns and table properties, from the project's own schema functions), and as that
+mirror's history (`history: true`: each row one current version, for ours-history).
 
 `python -m benchmarks.tables check JOB.json`: compares each variant's result with the
 reference: the starting rows, minus the keys the events changed, plus those keys' newest state
@@ -116,7 +117,36 @@ def build(job: dict) -> None:
     }
     with commit_metadata(spark, record):
         mirror.write.format("delta").mode("append").save(job["mirror"])
+    if job.get("history"):
+        _build_history(spark, spec, job["mirror"], job["history"])
     spark.stop()
+
+
+def _build_history(spark: SparkSession, spec: TableSpec, mirror: str, path: str) -> None:
+    """The starting mirror's history: each row its key's one version, current, open-ended."""
+    from pyspark.sql import types as T
+
+    from cdc_assets.history import (
+        CURRENT,
+        END_SEQUENCE,
+        VALID_FROM,
+        VALID_TO,
+        create_history_table,
+        version_columns,
+    )
+
+    rows = spark.read.format("delta").load(mirror)
+    sequence = rows.schema[SEQUENCE].dataType
+    extra = {
+        END_SEQUENCE: F.lit(None).cast(sequence),
+        VALID_FROM: F.col(SOURCE_TS),
+        VALID_TO: F.lit(None).cast(T.TimestampType()),
+        CURRENT: F.lit(True),
+    }
+    columns = version_columns(spec, list(COLUMNS))
+    versions = rows.select(*[extra[c].alias(c) if c in extra else F.col(c) for c in columns])
+    create_history_table(spark, path, versions.schema, spec)
+    versions.write.format("delta").mode("append").save(path)
 
 
 def _checksum(frame: DataFrame) -> tuple[int, int]:

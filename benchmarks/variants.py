@@ -5,6 +5,7 @@ tree) and reads what it wrote to the job's `result` file: phase times and counts
 
 - floor: Spark reads the slice, decodes it with `from_json` and appends it to Parquet.
 - ours: the project's asset, materialized by Dagster (`dg.materialize`) as a run does.
+- ours-history: the same with `history: true` (the table's history beside the mirror).
 - naive: a fresh Spark session, window dedupe, MERGE on the key alone, default shuffle width.
 - delta-rs: kafka-python reads the slice into Arrow, dedupe in Arrow, delta-rs MERGE.
 - auto-cdc: Spark's own AUTO CDC (Spark Declarative Pipelines), `benchmarks/auto_cdc.py`.
@@ -279,6 +280,8 @@ def ours(job: dict, phases: dict) -> dict:
     from resources.spark import SparkResource
 
     spec = TableSpec.model_validate(job["spec"])
+    if job["variant"] == "ours-history":
+        spec = spec.model_copy(update={"history": True})
     # The run's own resource: the session the run uses, started here first so that its start
     # is timed apart from the run's work (a run would start it the same way).
     spark = SparkResource(driver_memory=SPARK_MEMORY, extra_conf=_event_log(job))
@@ -309,16 +312,19 @@ def ours(job: dict, phases: dict) -> dict:
     ]
     if not result.success:
         raise RuntimeError(f"the run failed: {failures}")
-    consumed, failed_checks = 0, []
+    consumed, failed_checks, versions = 0, [], 0
     for event in result.get_asset_materialization_events():
         metadata = event.event_specific_data.materialization.metadata
         consumed += int(metadata["consumed"].value)
+        if "history_versions_opened" in metadata:
+            versions += int(metadata["history_versions_opened"].value)
     for check in result.get_asset_check_evaluations():
         if not check.passed:
             failed_checks.append(f"{check.check_name} {check.partition}")
     phases["run"] = time.monotonic() - T0
     spark.session.stop()
-    return {"consumed": consumed, "failed_checks": failed_checks}
+    outcome = {"consumed": consumed, "failed_checks": failed_checks}
+    return outcome | ({"history_versions_opened": versions} if spec.history else {})
 
 
 def auto_cdc(job: dict, phases: dict) -> dict:
@@ -332,6 +338,7 @@ VARIANTS = {
     "floor": floor,
     "ours": ours,
     "ours-empty": ours,
+    "ours-history": ours,
     "naive": naive,
     "delta-rs": delta_rs,
     "auto-cdc": auto_cdc,

@@ -25,8 +25,9 @@ The history's MERGE is its own commit, after the mirror's, carrying the same run
 that dies between the two is completed by running the hour again (the mirror finds its changes
 stale, the history inserts what it lacks). A refresh of an open hour (`refresh_minutes`) that
 dies there is not: the next refresh reads on from where the mirror's commit recorded, so that
-part of the hour reaches the history with the run after the hour closes, which reads it whole. What each run did (`HistoryOutcome`) and what the
-stored versions of its keys look like afterwards (`HistoryAudit`) feed the `history` check.
+part of the hour reaches the history with the run after the hour closes, which reads it whole.
+What each run did (`HistoryOutcome`) and what the stored versions of its keys look like
+afterwards (`HistoryAudit`) feed the `history` check.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def _write_once(
     data = data_columns(spec, changes)
     columns = version_columns(spec, data)
     schema = _schema(spec, new, columns)
-    table = _create_if_not_exists(spark, path, schema, spec)
+    table = create_history_table(spark, path, schema, spec)
     # Not into deletes' versions: the decoder gives a delete's before-image no default.
     live = ~F.col(DELETED)
     if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema, live):
@@ -310,9 +311,11 @@ def _schema(spec: TableSpec, new: DataFrame, columns: list[str]) -> T.StructType
     return T.StructType([known.get(c) or extra[c] for c in columns])
 
 
-def _create_if_not_exists(
+def create_history_table(
     spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec
 ) -> DeltaTable:
+    """The history at `path`, created with `schema` and the table's deletion-vector setting if
+    it is new."""
     return (
         DeltaTable.createIfNotExists(spark)
         .location(path)
