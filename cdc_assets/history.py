@@ -246,11 +246,14 @@ def _write_once(
     try:
         # The hour's versions counted on the batch itself, apart from the versions derived.
         versions = changes.select(*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)).distinct()
-        counted = derived.agg(
-            F.lit(versions.count()).alias("versions"),
-            F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
-            F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
-        ).first()
+        counted = (
+            derived.agg(
+                F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
+                F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
+            )
+            .crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
+            .first()
+        )  # one Spark action for the three
         identity = " AND ".join(
             [f"t.`{k}` <=> s.`{k}`" for k in keys]
             + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
@@ -459,23 +462,24 @@ def audit_history(
     unknown = F.lit(False)
     for c in spec.toasted_columns:
         unknown = unknown | (in_history & F.coalesce(F.col(f"_hu_{c}"), F.lit(False)))
-    mirror_side = pairs.agg(
+    judged_pairs = pairs.agg(
         F.count(F.when(differs, 1)).alias("mismatches"),
         F.count(F.when(unknown, 1)).alias("unknown"),
         F.count(F.when(revived, 1)).alias("revived"),
-    ).first()
+    )
     own = per_key.agg(
         F.count(F.lit(1)).alias("keys"),
         F.count(F.when(F.col("_current") != 1, 1)).alias("current_not_one"),
         F.coalesce(F.sum("_broken"), F.lit(0)).alias("broken"),
-    ).first()
+    )
+    found = own.crossJoin(judged_pairs).first()  # one Spark action for both sides
     return HistoryAudit(
-        keys=int(own["keys"]),
-        current_not_one=int(own["current_not_one"]),
-        broken_intervals=int(own["broken"]),
-        mirror_mismatches=int(mirror_side["mismatches"]),
-        unknown=int(mirror_side["unknown"]),
-        revived_by_hard_delete_order=int(mirror_side["revived"]),
+        keys=int(found["keys"]),
+        current_not_one=int(found["current_not_one"]),
+        broken_intervals=int(found["broken"]),
+        mirror_mismatches=int(found["mismatches"]),
+        unknown=int(found["unknown"]),
+        revived_by_hard_delete_order=int(found["revived"]),
     )
 
 
