@@ -6,7 +6,9 @@ Each mirror is built by the real pipeline (demo topics on the real broker, the m
 multi-asset on the real Spark session and Delta), with updates and deletes in every hour, so
 the MERGEs leave deletion vectors; each reader's live rows must equal Spark's, row for row.
 A mirror whose stored setting differs from its table's fails the run naming the table, the
-setting and the fix, and the fix it names works.
+setting and the fix, and the fix it names works. `customers` keeps its history there, and
+docs/reading.md's as-of and per-key queries give, through polars and deltalake, the rows Spark
+gives (`cdc_assets.history.as_of`); as of now, the mirror's live rows.
 """
 
 from __future__ import annotations
@@ -89,7 +91,10 @@ def with_dvs(demo, kafka, spark_resource, spark, tmp_path_factory):
     """The demo hours into mirrors with deletion vectors (the default), written from the first
     MERGE on (small mirrors rewrite files instead unless `deletion_vectors_from_bytes: 0`)."""
     specs, keys = demo
-    specs = [s.model_copy(update={"deletion_vectors_from_bytes": 0}) for s in specs]
+    specs = [
+        s.model_copy(update={"deletion_vectors_from_bytes": 0, "history": s.name == "customers"})
+        for s in specs
+    ]
     lake = LakeResource(root=str(tmp_path_factory.mktemp("dv") / "lake"))
     assert all(
         r.success for r in _run(specs, keys, kafka=kafka, spark_resource=spark_resource, lake=lake)
@@ -125,6 +130,54 @@ def test_deltalake_and_polars_read_live_rows_of_a_mirror_with_deletion_vectors(
         assert _rows(frame.to_arrow(), spec.primary_key) == expected, spec.name
     # Updates and deletes were marked in deletion vectors, so the readers had to apply them.
     assert dv_tables == len(specs)
+
+
+def test_the_history_reads_as_of_a_moment_as_docs_reading_shows(demo, with_dvs, spark):
+    from pyspark.sql import functions as F
+
+    from cdc_assets.history import as_of
+
+    specs, _ = demo
+    (spec,) = [s for s in specs if s.name == "customers"]
+    path = with_dvs.table_path("customers__history")
+    versions = spark.read.format("delta").load(path)
+    assert versions.where("NOT _cdc_current").count() > 0  # keys with more than one version
+    starts = sorted({r[0] for r in versions.select("_cdc_valid_from").collect()})
+    moment = starts[len(starts) // 2].replace(tzinfo=UTC)  # Spark's session time zone is UTC
+    naive = moment.replace(tzinfo=None)
+    columns = [*spec.columns]
+    expected = _rows(
+        as_of(versions, F.lit(naive).cast("timestamp")).select(*columns).toArrow(),
+        spec.primary_key,
+    )
+    assert expected
+
+    # As docs/reading.md: polars, the table as it was at `moment`, and one key's versions.
+    history = pl.scan_delta(path)
+    frame = history.filter(
+        (pl.col("_cdc_valid_from") <= moment)
+        & (pl.col("_cdc_valid_to").is_null() | (pl.col("_cdc_valid_to") > moment))
+        & ~pl.col("_cdc_deleted")
+    ).collect()
+    assert _rows(frame.select(columns).to_arrow(), spec.primary_key) == expected
+    key = expected[0]["customer_id"]
+    one_key = history.filter(pl.col("customer_id") == key).sort("_cdc_sequence").collect()
+    assert one_key["_cdc_current"].to_list()[-1] is True
+
+    # deltalake's query engine with the page's SQL.
+    at = moment.strftime("%Y-%m-%d %H:%M:%S.%f")
+    sql = (
+        f"SELECT {', '.join(columns)} FROM history WHERE _cdc_valid_from <= TIMESTAMP '{at}' "
+        f"AND (_cdc_valid_to IS NULL OR _cdc_valid_to > TIMESTAMP '{at}') AND NOT _cdc_deleted"
+    )
+    table = QueryBuilder().register("history", DeltaTable(path)).execute(sql)
+    assert _rows(pa.table(table), spec.primary_key) == expected
+
+    # As of now: the mirror's live rows.
+    now = F.current_timestamp()
+    current = as_of(versions, now).select(*columns).toArrow()
+    mirror = _spark_live(spark, with_dvs.table_path("customers")).select(columns)
+    assert _rows(current, spec.primary_key) == _rows(mirror, spec.primary_key)
 
 
 def test_a_mirror_without_deletion_vectors_reads_through_pyarrow_with_the_same_rows(
