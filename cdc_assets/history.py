@@ -254,10 +254,17 @@ def _write_once(
             .crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
             .first()
         )  # one Spark action for the three
-        identity = " AND ".join(
-            [f"t.`{k}` <=> s.`{k}`" for k in keys]
-            + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
+        identity = F.expr(
+            " AND ".join(
+                [f"t.`{k}` <=> s.`{k}`" for k in keys]
+                + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
+            )
         )
+        # The hour's key range: Delta reads only the files whose statistics overlap it (as the
+        # mirror's MERGE does); no match changes, every source key lies inside.
+        for key, (low, high) in key_range.items():
+            target = F.col(f"t.`{key}`")
+            identity = identity & (target >= F.lit(low)) & (target <= F.lit(high))
         source = derived.select(*columns)
         merge = table.alias("t").merge(source.alias("s"), identity)
         if evolving:
