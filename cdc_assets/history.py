@@ -269,8 +269,10 @@ def _write_once(
         merge = table.alias("t").merge(source.alias("s"), identity)
         if evolving:
             merge = merge.withSchemaEvolution()
+        # What a run may change in a stored version; a column the history gains in this MERGE
+        # is null in every stored row until then.
         changed = " OR ".join(
-            f"NOT (t.`{c}` <=> s.`{c}`)"
+            f"NOT (t.`{c}` <=> s.`{c}`)" if c.lower() in stored_names else f"s.`{c}` IS NOT NULL"
             for c in [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)]
         )
         merge = merge.whenMatchedUpdate(
