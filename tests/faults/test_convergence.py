@@ -19,8 +19,9 @@ How many schedules run is the Hypothesis profile's `max_examples` (tests/conftes
 (`CI=true`, the `ci` profile) runs 20, derandomized, so the same 20 schedules every run: 112
 table-hours, measured at 537 s and 558 s in two whole-suite runs in one process on the two-core
 machine (2026-11-26, before and after Spark's code cache was sized for a table-hour's classes:
-no gain here, unexplained). `python -m benchmarks.small_hours` measures what a small
-table-hour costs.
+no gain here, unexplained); with the first mirror's history added (2026-11-28) one run took
+1107 s, most of it beside a benchmark at nice 19: not yet measured alone.
+`python -m benchmarks.small_hours` measures what a small table-hour costs.
 Locally the `dev` profile draws 20 new schedules each
 run and replays a failing one first (kept in `.local/hypothesis`); `--hypothesis-profile=deep`
 draws 200. With the MERGE's sequence guard removed, the `ci` run fails and shrinks to a single
