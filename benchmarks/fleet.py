@@ -769,9 +769,47 @@ def _hour_slices(bootstrap: str, topics: list[str], keys: list[str]) -> dict:
         consumer.close()
 
 
+def figures(case_dir: str, hour_key: str) -> int:
+    """`python -m benchmarks.fleet figures CASE_DIR HOUR`: a tier-0 case's queue waits, run
+    times and staleness (`_tier0_figures`), and its sensor runs one per line, read from the
+    case's Dagster instance after it stopped (a case that missed its deadline writes no
+    results). HOUR is the measured hour, the one before the live hour."""
+    import dagster as dg
+
+    case = Path(case_dir).resolve()
+    os.environ["DAGSTER_HOME"] = str(case / "dagster")
+    os.environ["CDC_TABLES_FILE"] = str(case / "tables.yaml")
+    names = [t["name"] for t in yaml.safe_load((case / "tables.yaml").read_text())["tables"]]
+    with dg.DagsterInstance.get() as instance:
+        materialized = _materializations(instance, names)
+        print(json.dumps(_tier0_figures(instance, materialized, hour_key), indent=1))
+        done = [n for n in names if any(
+            r.asset_materialization.partition == hour_key for r in materialized[n]
+        )]  # fmt: skip
+        print(f"{len(done)} of {len(names)} tables materialized {hour_key}")
+        records = instance.get_run_records(
+            filters=dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_TRIGGER})
+        )
+        print("created   started   ended     status    kind     tables")
+        for record in sorted(records, key=lambda r: r.create_timestamp):
+            run = record.dagster_run
+
+            def at(stamp: float | None) -> str:
+                return "-" if stamp is None else f"{datetime.fromtimestamp(stamp, UTC):%H:%M:%S}"
+
+            kind = "refresh" if REFRESH_TAG in run.tags else run.tags.get("dagster/priority", "")
+            print(
+                f"{record.create_timestamp:%H:%M:%S}  {at(record.start_time):8}  "
+                f"{at(record.end_time):8}  {run.status.value:8}  {kind:7}  "
+                f"{len(run.asset_selection or [])}"
+            )
+    return 0
+
+
 def main(argv: list[str]) -> int:
     command, *args = argv
-    return {"warm": warm, "check": check, "delta-rs": delta_rs}[command](*args)
+    commands = {"warm": warm, "check": check, "delta-rs": delta_rs, "figures": figures}
+    return commands[command](*args)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from cdc_assets.merge import (
     MERGE_PERSISTENT_DVS,
     fill_defaults,
     persistent_deletion_vectors,
+    within_key_range,
 )
 from cdc_assets.toast import unknown_flag
 
@@ -260,11 +261,7 @@ def _write_once(
                 + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
             )
         )
-        # The hour's key range: Delta reads only the files whose statistics overlap it (as the
-        # mirror's MERGE does); no match changes, every source key lies inside.
-        for key, (low, high) in key_range.items():
-            target = F.col(f"t.`{key}`")
-            identity = identity & (target >= F.lit(low)) & (target <= F.lit(high))
+        identity = within_key_range(identity, key_range)  # file skipping, as the mirror's
         source = derived.select(*columns)
         merge = table.alias("t").merge(source.alias("s"), identity)
         if evolving:
@@ -344,7 +341,8 @@ def _stored_versions(
     key_range: Mapping[str, tuple],
     hour_keys: DataFrame,
 ) -> DataFrame:
-    """Every stored version of the hour's keys (the key range lets Delta skip files)."""
+    """Every row the Delta table at `path` holds for the hour's keys: the history's stored
+    versions, or the mirror's rows (the key range lets Delta skip files)."""
     stored = spark.read.format("delta").load(path)
     for key, (low, high) in key_range.items():
         stored = stored.where(F.col(key).between(F.lit(low), F.lit(high)))
@@ -435,10 +433,8 @@ def audit_history(
         F.sum(F.col("_broken").cast("int")).alias("_broken"),
     )
     current = versions.where(F.col(CURRENT))
-    mirror = spark.read.format("delta").load(mirror_path)
-    for key, (low, high) in (key_range or {}).items():
-        mirror = mirror.where(F.col(key).between(F.lit(low), F.lit(high)))
-    mirror_live = mirror.where(~F.col(DELETED)).join(hour_keys, on=keys, how="left_semi")
+    mirror = _stored_versions(spark, mirror_path, keys, key_range or {}, hour_keys)
+    mirror_live = mirror.where(~F.col(DELETED))
     compared = [c for c in data if c not in keys and c in mirror.columns]
     h = current.select(
         *keys,

@@ -395,10 +395,7 @@ def _merge_once(
     table = ensure_mirror_table(spark, path, source, spec, defaults)
     bounds = {} if truncate_before is not None else dict(key_range or {})
     on = F.expr(" AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key))
-    # A truncate's MERGE reads the whole table anyway.
-    for key, (low, high) in bounds.items():
-        target = F.col(f"t.`{key}`")
-        on = on & (target >= F.lit(low)) & (target <= F.lit(high))
+    on = within_key_range(on, bounds)  # a truncate's MERGE reads the whole table anyway
     _, fill = toast.merge_sets(spec)
     # Delta's size of the mirror (None: not known). An empty one holds no row to count.
     size = ledger.size_bytes() if ledger is not None else None
@@ -435,6 +432,16 @@ def _merge_once(
                 None, prior.source_rows, 0, 0, 0, 0, prior=prior, recorded_version=recorded
             )
     return _outcome(*_merge_commit(table, run_metadata, ledger), prior)
+
+
+def within_key_range(on: Column, key_range: Mapping[str, tuple]) -> Column:
+    """A MERGE condition narrowed to the target rows inside `key_range` (key column → lowest
+    and highest value among the source's keys): it changes no match, and Delta reads only the
+    files whose statistics overlap the ranges."""
+    for key, (low, high) in key_range.items():
+        target = F.col(f"t.`{key}`")
+        on = on & (target >= F.lit(low)) & (target <= F.lit(high))
+    return on
 
 
 def _merge_commit(
