@@ -808,8 +808,17 @@ def figures(case_dir: str, hour_key: str) -> int:
 
 def main(argv: list[str]) -> int:
     command, *args = argv
-    commands = {"warm": warm, "check": check, "delta-rs": delta_rs, "figures": figures}
-    return commands[command](*args)
+    if command == "figures":  # the one a person runs (docs/benchmark.md)
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet figures")
+        parser.add_argument(
+            "case_dir", help="the case's folder, e.g. .local/bench/fleet-200-tier0-50"
+        )
+        parser.add_argument("hour", help="the measured hour, YYYY-MM-DD-HH:00")
+        parsed = parser.parse_args(args)
+        return figures(parsed.case_dir, parsed.hour)
+    return {"warm": warm, "check": check, "delta-rs": delta_rs}[command](*args)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ PARSE_ONLY_MODULES = {
     "benchmarks.deletion_vectors",
     "benchmarks.small_hours",
     "benchmarks.decode_stage",
+    "benchmarks.fleet",
 }
 RUN_MODULES = {"checks.report", "tests.faults.report", "demo.hours"}
 RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
