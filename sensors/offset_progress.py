@@ -19,7 +19,8 @@ none while a refresh of the table is still queued or running (back-to-back refre
 keep the hour's final run, below them in the queue, waiting). Their
 runs (refreshes and final runs) are requested apart from the hourly tables' runs: they hold
 the tier-0 pool (`cdc_assets.partitions`). The run queue launches refreshes first, then the
-tier-0 tables' final runs, then the hourly tables' (`dagster/priority`, `PRIORITIES`), and
+tier-0 tables' final runs, then the hourly tables' (`dagster/priority`, `PRIORITIES`; the tick
+requests them in that order, so the daemon creates them in it), and
 `tables_per_run` splits the tables whose same hours closed into runs of at most that many: on
 a machine that runs one mirror run at a time, a refresh then waits for one such run at most,
 not for every table's hour.
@@ -143,6 +144,10 @@ def _tick(
     runs = _split(together, tables_per_run)
     requests = [_run_request(span, tables) for _, span, tables in runs]
     requests += [_refresh_request(*due, tables) for due, tables in sorted(refreshes.items())]
+    # The daemon creates a tick's runs one after another (seconds each on a busy machine), and
+    # the queue launches what exists: requested in the queue's order, a tier-0 run is never
+    # created after an hourly run the queue has already launched.
+    requests.sort(key=lambda request: -int(request.tags.get(PRIORITY_TAG, 0)))
     _log_requests(context, runs)
     for (hour, slot), tables in sorted(refreshes.items()):
         context.log.info(

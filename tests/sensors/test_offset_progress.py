@@ -376,8 +376,14 @@ def test_tier0_and_hourly_tables_closing_the_same_hours_are_requested_apart(
         assert {c.asset_key for c in request.asset_check_keys} == {key}
     refreshes = [r for r in result.run_requests if REFRESH_TAG in r.tags]
     assert refreshes and all(r.asset_selection == [dg.AssetKey(tier0.name)] for r in refreshes)
-    # The queue's order: a refresh before a tier-0 final run before an hourly run.
+    # The queue's order: a refresh before a tier-0 final run before an hourly run; requested
+    # in that order too, since the daemon creates a tick's runs one by one.
     assert {r.tags["dagster/priority"] for r in refreshes} == {"20"}
+    kinds = [
+        "refresh" if REFRESH_TAG in r.tags else r.asset_selection[0].to_user_string()
+        for r in result.run_requests
+    ]
+    assert kinds == sorted(kinds, key=["refresh", tier0.name, hourly.name].index), kinds
 
 
 def test_tables_per_run_splits_the_tables_whose_same_hours_closed(
