@@ -8,11 +8,12 @@ and `_cdc_valid_to`, from Debezium's `source.ts_ms`), and whether it is the key'
 
 Right in any hour order, any number of times: a version is identified by its key and its source
 sequence (the table's `sequence` fields, not the Kafka coordinates: a change delivered twice is
-one version). Each run takes the stored versions of the keys its hour touches together with the
-hour's, orders each key's versions by sequence and derives every end from the next start, then
-MERGEs the result on (key, source sequence): new versions are inserted, stored ones whose end,
-currency or filled-in values changed are updated, the rest left alone. A late version thus splits
-the interval it falls into; running an hour again writes nothing new.
+one version). Each run takes the stored versions its hour can alter (for each key it touches,
+the version in force at its earliest change and every later one, not the key's whole history)
+together with the hour's, orders each key's versions by sequence and derives every end from the
+next start, then MERGEs the result on (key, source sequence): new versions are inserted, stored
+ones whose end, currency or filled-in values changed are updated, the rest left alone. A late
+version thus splits the interval it falls into; running an hour again writes nothing new.
 
 TOASTed values (`toasted_columns`): a version that does not carry one takes the value of the
 newest version before it that did (recomputed with every run, so it is right when that version
@@ -240,7 +241,7 @@ def _write_once(
     live = ~F.col(DELETED)
     if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema, live):
         table = DeltaTable.forPath(spark, path)  # one made before the schema changed
-    stored = _stored_versions(spark, path, keys, key_range, new.select(*keys))
+    stored = _affected_versions(spark, path, keys, key_range, new)
     stored_names = {f.name.lower() for f in table.toDF().schema}
     evolving = any(c.lower() not in stored_names for c in columns)
     derived = _derived(spec, new, stored, data, fields).persist()
@@ -334,27 +335,52 @@ def create_history_table(
     )
 
 
-def _stored_versions(
+def _mirror_rows(
     spark: SparkSession,
     path: str,
     keys: list[str],
     key_range: Mapping[str, tuple],
     hour_keys: DataFrame,
 ) -> DataFrame:
-    """Every row the Delta table at `path` holds for the hour's keys: the history's stored
-    versions, or the mirror's rows (the key range lets Delta skip files)."""
+    """Every row the Delta table at `path` (the mirror) holds for the hour's keys (the key
+    range lets Delta skip files)."""
     stored = spark.read.format("delta").load(path)
     for key, (low, high) in key_range.items():
         stored = stored.where(F.col(key).between(F.lit(low), F.lit(high)))
     return stored.join(hour_keys.distinct(), on=keys, how="left_semi")
 
 
+def _affected_versions(
+    spark: SparkSession,
+    path: str,
+    keys: list[str],
+    key_range: Mapping[str, tuple],
+    changes: DataFrame,
+) -> DataFrame:
+    """The stored versions of `changes`' keys that a run with these changes can alter: per key,
+    the version in force at its earliest change (its end moves; `_boundary`) and every version
+    after it (ends, currency, filled values). Versions that ended before the key's earliest
+    change keep what they have, so a key's old versions are not read again by every run that
+    touches it: a run's work grows with its own changes and what came after them, not with the
+    key's whole history."""
+    firsts = changes.groupBy(*keys).agg(F.min(SEQUENCE).alias("_first"))
+    stored = spark.read.format("delta").load(path)
+    for key, (low, high) in key_range.items():
+        stored = stored.where(F.col(key).between(F.lit(low), F.lit(high)))
+    # A version's end is the next one's start: the one in force at `_first` ends at or after it.
+    affected = stored.join(firsts, on=keys).where(
+        F.col(END_SEQUENCE).isNull() | (F.col(END_SEQUENCE) >= F.col("_first"))
+    )
+    return affected.withColumn("_boundary", F.col(SEQUENCE) < F.col("_first")).drop("_first")
+
+
 def _derived(
     spec: TableSpec, new: DataFrame, stored: DataFrame, data: list[str], fields: list[str]
 ) -> DataFrame:
-    """The hour's keys' versions, stored and new together, one per key and source sequence,
-    each with its end (the next version's start), its currency and its filled-in TOASTed
-    values; `_new`/`_stored` say where a version came from, `_was_current` what it was."""
+    """The hour's keys' versions, stored (`_affected_versions`) and new together, one per key
+    and source sequence, each with its end (the next version's start), its currency and its
+    filled-in TOASTed values; `_new`/`_stored` say where a version came from, `_was_current`
+    what it was."""
     keys = list(spec.primary_key)
     identity = [*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)]
     both = stored.select(
@@ -373,7 +399,8 @@ def _derived(
         .withColumn("_was", F.max(F.col("_was_current").cast("int")).over(per_version) == 1)
         .where(F.col("_rank") == 1)
         .select(
-            *[c for c in both.columns if c not in ("_new", "_was_current")],
+            *[c for c in both.columns if c not in ("_new", "_was_current", "_boundary")],
+            F.coalesce(F.col("_boundary"), F.lit(False)).alias("_boundary"),
             F.col("_any_new").alias("_new"),
             F.col("_any_stored").alias("_stored"),
             F.col("_was").alias("_was_current"),
@@ -386,7 +413,7 @@ def _derived(
         .withColumn(CURRENT, F.lead(SEQUENCE).over(ordered).isNull())
     )
     if not spec.toasted_columns:
-        return derived
+        return derived.drop("_boundary")
     # A key's life ends with a delete: a value carried before it is not the next life's (a row
     # moved to the key later starts without one, as in the mirror).
     before = ordered.rowsBetween(Window.unboundedPreceding, -1)
@@ -399,11 +426,15 @@ def _derived(
     )
     for c in spec.toasted_columns:
         # A version stored before the column was toasted has no flag: its value is its own.
-        carries = F.coalesce(F.col(has_value(c)), F.lit(True))
+        # The version in force before the run's changes (`_boundary`) passes on the value it was
+        # filled with: the versions it was filled from are not read again.
+        flag = unknown_flag(c)  # none yet in a history written before c was toasted
+        known = ~F.coalesce(F.col(flag), F.lit(False)) if flag in derived.columns else F.lit(True)
+        carries = F.coalesce(F.col(has_value(c)), F.lit(True)) | (F.col("_boundary") & known)
         carried = F.last(F.when(carries, F.struct(F.col(c).alias("v"))), True)
         newest = carried.over(upto)
         derived = derived.withColumn(c, newest["v"]).withColumn(unknown_flag(c), newest.isNull())
-    return derived.drop("_life")
+    return derived.drop("_life", "_boundary")
 
 
 def audit_history(
@@ -411,15 +442,17 @@ def audit_history(
     spec: TableSpec,
     path: str,
     mirror_path: str,
-    hour_keys: DataFrame,
+    changes: DataFrame,
     data: list[str],
     key_range: Mapping[str, tuple] | None = None,
 ) -> HistoryAudit:
-    """Judges the stored versions of the hour's keys after the run against themselves and the
-    mirror (`HistoryAudit`), read back from both tables: one query each way."""
+    """Judges the stored versions of the hour's keys (the keys of `changes`) after the run
+    against themselves and the mirror (`HistoryAudit`), read back from both tables: one query
+    each way. The versions judged are those the run could alter (`_affected_versions`); the
+    ones that ended before a key's earliest change were judged by the run that wrote them."""
     keys = list(spec.primary_key)
-    hour_keys = hour_keys.select(*keys).distinct()
-    versions = _stored_versions(spark, path, keys, key_range or {}, hour_keys)
+    versions = _affected_versions(spark, path, keys, key_range or {}, changes)
+    hour_keys = changes.select(*keys).distinct()
     ordered = Window.partitionBy(*keys).orderBy(SEQUENCE)
     following = F.lead(SEQUENCE).over(ordered)
     broken = (
@@ -433,7 +466,7 @@ def audit_history(
         F.sum(F.col("_broken").cast("int")).alias("_broken"),
     )
     current = versions.where(F.col(CURRENT))
-    mirror = _stored_versions(spark, mirror_path, keys, key_range or {}, hour_keys)
+    mirror = _mirror_rows(spark, mirror_path, keys, key_range or {}, hour_keys)
     mirror_live = mirror.where(~F.col(DELETED))
     compared = [c for c in data if c not in keys and c in mirror.columns]
     h = current.select(

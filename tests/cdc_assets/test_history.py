@@ -172,6 +172,13 @@ def test_a_toasted_value_comes_from_the_version_before_it_whenever_that_arrives(
     rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
     assert [r["name"] for r in rows] == ["first", "first", "second", "second"]
 
+    # A later version without the value: the run reads only the version in force before it (at
+    # 40, filled from 35, which ended before the change) and takes the value it was filled with.
+    _write(spark, spec, path, [_change("u", 1, 60, carried=False)], run=4, toasted=True)
+    rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+    assert [r["name"] for r in rows] == ["first", "first", "second", "second", "second"]
+    assert not any(r["_cdc_unknown__name"] for r in rows)
+
 
 def test_the_audit_fails_when_history_and_mirror_disagree(spark, tmp_path):
     spec, path = _spec(), str(tmp_path / "accounts__history")
@@ -209,8 +216,8 @@ def test_a_toasted_value_stays_in_its_life_and_in_versions_from_before_toasting(
     _write(spark, toasted, path, later, run=2, toasted=True)
     rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
     assert [(r["name"], r["_cdc_unknown__name"]) for r in rows] == [
-        ("a", False),
-        ("b", False),
+        ("a", None),  # ended before the run's changes: not read again, no flag (its own value)
+        ("b", False),  # in force at the run's first change: re-derived
         ("c", False),
         ("c", False),  # the delete's before-image: the value it ended with
         (None, True),  # a new life: not the value of the key's life before
