@@ -20,7 +20,7 @@ How many schedules run is the Hypothesis profile's `max_examples` (tests/conftes
 table-hours, measured at 537 s and 558 s in two whole-suite runs in one process on the two-core
 machine (2026-11-26, before and after Spark's code cache was sized for a table-hour's classes:
 no gain here, unexplained); with the first mirror's history added (2026-11-28) one run took
-1107 s, most of it beside a benchmark at nice 19: not yet measured alone.
+1107 s, most of it beside a benchmark at nice 19; alone, 850 s (2026-11-28, sixth session).
 `python -m benchmarks.small_hours` measures what a small table-hour costs.
 Locally the `dev` profile draws 20 new schedules each
 run and replays a failing one first (kept in `.local/hypothesis`); `--hypothesis-profile=deep`
