@@ -5,6 +5,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages   # and each stage's time
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --jobs     # the last hour's Spark jobs
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --stages --hot-keys 5
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -21,6 +22,10 @@ that cost a Spark job or a Delta commit (`STAGES`), and prints each one's mean o
 hours: a stage's time includes the steps listed under it. `--jobs` lists the Spark jobs of the
 last hour (Spark's status store: each job's time, stages, tasks, call site and description), to
 set against its wall time: the rest is the driver's work between jobs.
+
+`--hot-keys N` sends a tenth of each hour's changes to N keys, the rest over all 500: those keys
+gain ~20/N versions an hour, so a history run that read a key's whole past would grow hour by
+hour; with `--stages` each hour's line gives its history stage's time to show it does not.
 """
 
 from __future__ import annotations
@@ -71,13 +76,15 @@ def _spec(history: bool = False) -> TableSpec:
     )
 
 
-def _events(hours: int, changes: int) -> list[tuple[int, bytes, bytes]]:
-    """(timestamp ms, key, value): creates and updates, LSNs increasing, seconds into each hour."""
+def _events(hours: int, changes: int, hot_keys: int = 0) -> list[tuple[int, bytes, bytes]]:
+    """(timestamp ms, key, value): creates and updates, LSNs increasing, seconds into each hour;
+    with `hot_keys`, a tenth of the changes go to keys 0 to hot_keys - 1."""
     rng, lsn, out = random.Random(1), 1_000, []
     for hour in range(hours):
         for n in range(changes):
             lsn += 10
-            row_id = rng.randrange(KEYS)
+            hot = hot_keys and rng.random() < 0.1
+            row_id = rng.randrange(hot_keys) if hot else rng.randrange(KEYS)
             at = int((FIRST + timedelta(hours=hour, seconds=1 + n)).timestamp() * 1000)
             envelope = {
                 "op": rng.choice("cu"),
@@ -91,7 +98,7 @@ def _events(hours: int, changes: int) -> list[tuple[int, bytes, bytes]]:
     return out
 
 
-def _send(bootstrap: str, topic: str, hours: int, changes: int) -> list[tuple]:
+def _send(bootstrap: str, topic: str, hours: int, changes: int, hot_keys: int) -> list[tuple]:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         admin.create_topics([NewTopic(topic, num_partitions=PARTITIONS, replication_factor=1)])
@@ -100,7 +107,7 @@ def _send(bootstrap: str, topic: str, hours: int, changes: int) -> list[tuple]:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     records = []
     try:
-        for at, key, value in _events(hours, changes):
+        for at, key, value in _events(hours, changes, hot_keys):
             meta = producer.send(topic, key=key, value=value, timestamp_ms=at).get(timeout=30)
             records.append((meta.partition, meta.offset, value, key, ()))
         # A tombstone of an unused key past the last hour on every partition closes the hours.
@@ -113,6 +120,7 @@ def _send(bootstrap: str, topic: str, hours: int, changes: int) -> list[tuple]:
     return records
 
 
+HISTORY_STAGE = "keep history (history: true)"
 # (module, function, label): what `--stages` times, outermost first. A step is timed where its
 # caller looks it up (the module attribute the caller reads), so the caller's module is named.
 STAGES = [
@@ -130,7 +138,7 @@ STAGES = [
     ("pyspark.sql.classic.dataframe", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
     ("cdc_assets.hour_run", "current_version", "  current version"),
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
-    ("cdc_assets.hour_run", "keep_history", "keep history (history: true)"),
+    ("cdc_assets.hour_run", "keep_history", HISTORY_STAGE),
     ("cdc_assets.hour_run", "write_history", "  its MERGE (the keys' versions re-derived)"),
     ("cdc_assets.hour_run", "audit_history", "  its audit (read back, beside the mirror)"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
@@ -216,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", action="store_true", help="time the hour run's stages")
     parser.add_argument("--jobs", action="store_true", help="list the last hour's Spark jobs")
     parser.add_argument("--history", action="store_true", help="the table keeps its history")
+    parser.add_argument(
+        "--hot-keys", type=int, default=0, help="a tenth of the changes go to this many keys"
+    )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     bootstrap = kafka_broker.start(broker)
     try:
         spec = _spec(args.history)
-        records = _send(bootstrap, spec.topic, args.hours, args.changes)
+        records = _send(bootstrap, spec.topic, args.hours, args.changes, args.hot_keys)
         resource = SparkResource(
             master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1, extra_conf=extra
         )
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         kafka = KafkaResource(bootstrap_servers=bootstrap)
         lake = LakeResource(root=str(work / "lake"))
         rows, stages = [], []
+        timed_history = args.history and args.stages
         for hour in range(args.hours):
             key = (FIRST + timedelta(hours=hour)).strftime(HOUR_FORMAT)
             stages.append(defaultdict(float))
@@ -265,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"hour {hour}: {wall:5.2f} s wall, JVM {jvm_s:5.2f} s CPU, Python "
                 f"{python_s:4.2f} s CPU, {compiles:3d} classes compiled, "
                 f"{result.counts.applied} changes applied"
+                + (f", history {stages[-1][HISTORY_STAGE]:.2f} s" if timed_history else "")
                 + (f", FAILED {failed}" if failed else ""),
                 flush=True,
             )
