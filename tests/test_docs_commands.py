@@ -46,12 +46,13 @@ future hour (the newest hour). `demo.screenshots` made docs/screenshots/.
 
 The `python` blocks must compile; the readers' snippets (README, docs/reading.md) are what
 tests/cdc_assets/test_readers.py runs against real mirrors. The whole module takes about a
-minute and a half, most of it pytest collecting the suite for `scripts/test.sh`.
+minute, most of it pytest collecting the suite for `scripts/test.sh` (two collections at once).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import runpy
@@ -59,6 +60,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -334,23 +336,39 @@ def test_pip_installs_name_extras_and_constraints_that_exist(command: Command):
         assert (REPO / words[words.index("--constraint") + 1]).is_file(), command.text
 
 
-@pytest.mark.parametrize("command", _of("pytest"), ids=_ids(_of("pytest")))
-def test_pytest_selects_tests(command: Command):
+def _pytest_args(command: Command) -> tuple[str, ...]:
+    """The arguments a `scripts/test.sh ...` or `python -m pytest ...` command gives pytest."""
     words = command.program
-    if words[0] == "scripts/test.sh":
-        text = (REPO / "scripts/test.sh").read_text()
-        # The script passes its arguments on to pytest (after its own: the workers).
-        assert re.search(r'^exec \.venv/bin/python -m pytest [^\n]*"\$@"$', text, re.M), text
-        args = words[1:]
-    else:
-        args = words[3:]
-    done = subprocess.run(
+    return tuple(words[1:] if words[0] == "scripts/test.sh" else words[3:])
+
+
+def _collect(args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def collections() -> Iterator[dict[tuple[str, ...], concurrent.futures.Future]]:
+    """Each pytest command's collection, started together on two processes: each one imports
+    the whole suite (~12 s of one core), and the test below waits only for its own."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    futures = {args: pool.submit(_collect, args) for args in map(_pytest_args, _of("pytest"))}
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("command", _of("pytest"), ids=_ids(_of("pytest")))
+def test_pytest_selects_tests(command: Command, collections):
+    if command.program[0] == "scripts/test.sh":
+        text = (REPO / "scripts/test.sh").read_text()
+        # The script passes its arguments on to pytest (after its own: the workers).
+        assert re.search(r'^exec \.venv/bin/python -m pytest [^\n]*"\$@"$', text, re.M), text
+    done = collections[_pytest_args(command)].result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^(\d+)(/\d+)? tests? (collected|selected)", done.stdout, re.M), done.stdout
 
