@@ -353,11 +353,16 @@ def _collect(args: tuple[str, ...]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def collections() -> Iterator[dict[tuple[str, ...], concurrent.futures.Future]]:
-    """Each pytest command's collection, started together on two processes: each one imports
-    the whole suite (~12 s of one core), and the test below waits only for its own."""
+def collections(request) -> Iterator[dict[tuple[str, ...], concurrent.futures.Future]]:
+    """The selected pytest commands' collections, started together on two processes: each one
+    imports the whole suite (~12 s of one core), and the test below waits only for its own."""
+    selected = [
+        item.callspec.params["command"]
+        for item in request.session.items
+        if item.originalname == "test_pytest_selects_tests"
+    ]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    futures = {args: pool.submit(_collect, args) for args in map(_pytest_args, _of("pytest"))}
+    futures = {args: pool.submit(_collect, args) for args in map(_pytest_args, selected)}
     yield futures
     pool.shutdown(cancel_futures=True)
 
