@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
             after = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))
-            failed = [c.check_name for c in result.expectations if not c.success]
+            failed = [c.expectation.name for c in result.expectations if not c.success]
             rows.append((wall, jvm_s, python_s, compiles))
             if jobs_before is not None:
                 last_jobs = ([j for j in _jobs(spark) if j.jobId() > jobs_before], wall)
