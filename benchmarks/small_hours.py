@@ -6,6 +6,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --jobs     # the last hour's Spark jobs
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --stages --hot-keys 5
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages --without-prior-rows
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -26,6 +27,10 @@ set against its wall time: the rest is the driver's work between jobs.
 `--hot-keys N` sends a tenth of each hour's changes to N keys, the rest over all 500: those keys
 gain ~20/N versions an hour, so a history run that read a key's whole past would grow hour by
 hour; with `--stages` each hour's line gives its history stage's time to show it does not.
+
+`--without-prior-rows` replaces the prior-rows query (`cdc_assets.merge.prior_rows`) with zero
+counts, to measure what it costs: timing only, `primary_key_unique` then fails on every hour
+(the MERGE seems to insert rows for keys that had one), the mirror still equals the replay.
 """
 
 from __future__ import annotations
@@ -195,6 +200,19 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+@contextmanager
+def _without_prior_rows() -> Iterator[None]:
+    """`merge.prior_rows` answering zero counts (and a write to make), without a Spark query."""
+    from cdc_assets import merge
+
+    original = merge.prior_rows
+    merge.prior_rows = lambda *args, **kwargs: merge.PriorRows(0, 0, 0, 0, 0, 0, 0, writes=1)
+    try:
+        yield
+    finally:
+        merge.prior_rows = original
+
+
 def _jobs(spark) -> list:
     """Spark's record of every job this session ran (its status store, kept for the UI)."""
     listed = spark._jsparkSession.sparkContext().statusStore().jobsList(None)
@@ -226,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history", action="store_true", help="the table keeps its history")
     parser.add_argument(
         "--hot-keys", type=int, default=0, help="a tenth of the changes go to this many keys"
+    )
+    parser.add_argument(
+        "--without-prior-rows",
+        action="store_true",
+        help="zero counts for the prior-rows query, timing only (primary_key_unique fails)",
     )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
@@ -262,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                 else None
             )
             before = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
-            with _timed_stages(stages[-1]) if args.stages else _nothing():
+            with (
+                _timed_stages(stages[-1]) if args.stages else _nothing(),
+                _without_prior_rows() if args.without_prior_rows else _nothing(),
+            ):
                 result = run_hour(
                     spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key,
                     checks=MIRROR_CHECKS,

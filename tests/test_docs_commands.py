@@ -359,7 +359,7 @@ def collections(request) -> Iterator[dict[tuple[str, ...], concurrent.futures.Fu
     selected = [
         item.callspec.params["command"]
         for item in request.session.items
-        if item.originalname == "test_pytest_selects_tests"
+        if getattr(item, "function", None) is test_pytest_selects_tests
     ]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     futures = {args: pool.submit(_collect, args) for args in map(_pytest_args, selected)}
