@@ -30,7 +30,7 @@ import pyspark
 # Spark's launcher puts these before spark.driver.extraJavaOptions on the driver's command line:
 # the archive goes here, so a host's extraJavaOptions (spark-defaults.conf) and a user's stay.
 DRIVER_OPTIONS = "spark.driver.defaultJavaOptions"
-_USER_OPTIONS = (DRIVER_OPTIONS, "spark.driver.extraJavaOptions")
+USER_OPTIONS = (DRIVER_OPTIONS, "spark.driver.extraJavaOptions")
 # Options that choose their own class sharing: the driver then gets no archive from here.
 _OWN_SHARING = re.compile(r"SharedArchiveFile|ArchiveClassesAtExit|-Xshare:off")
 # What decides which classes the JVM loads from where, besides the java binary and pyspark's.
@@ -71,7 +71,7 @@ def _entries(class_path: str) -> list[str]:
 def _compressed_oops(conf: Mapping[str, str]) -> bool:
     """Whether the driver JVM uses compressed object pointers (a heap under 32 GiB, no ZGC):
     the JDK keeps a base archive for each case, and a dynamic archive belongs to one."""
-    if any(_NO_COMPRESSED_OOPS.search(conf.get(name, "")) for name in _USER_OPTIONS):
+    if any(_NO_COMPRESSED_OOPS.search(conf.get(name, "")) for name in USER_OPTIONS):
         return False
     heap = _HEAP.fullmatch(conf.get("spark.driver.memory", "1g").strip())
     if heap is None:
@@ -109,7 +109,7 @@ def archive_path(conf: Mapping[str, str], folder: Path) -> Path | None:
 def with_archive(conf: dict[str, str], folder: Path | None) -> dict[str, str]:
     """`conf` with the driver started on its archive when it exists: unless `folder` is None
     (off) or the conf's own JVM options choose their class sharing. Other options are kept."""
-    if folder is None or any(_OWN_SHARING.search(conf.get(n, "")) for n in _USER_OPTIONS):
+    if folder is None or any(_OWN_SHARING.search(conf.get(n, "")) for n in USER_OPTIONS):
         return conf
     path = archive_path(conf, folder)
     if path is None or not path.is_file():

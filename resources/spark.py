@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
 import pyspark
@@ -35,6 +35,10 @@ DEFAULT_JVM_ARCHIVE_DIR = REPO_ROOT / ".jars" / "jvm-archive"
 # (DelegatingLogStore: SparkEnv's conf), so it can't be set on a running session.
 LOG_STORE_CONF = "spark.delta.logStore.s3a.impl"
 CONDITIONAL_PUT_LOG_STORE = "io.cdclake.delta.ConditionalPutLogStore"
+# The driver JVM's compilers (`SparkResource.driver_jit`): "c1" stops HotSpot's tiered JIT at
+# its first compiler. Options of the user's that choose the JIT themselves are left alone.
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+_OWN_JIT = ("TieredStopAtLevel", "TieredCompilation")
 
 
 # How the mirrors' Parquet files store timestamps: as microseconds (TIMESTAMP_MICROS), the
@@ -205,6 +209,17 @@ class SparkResource(dg.ConfigurableResource):
             "driver, without a Spark job for the read; larger ones by Spark's Kafka source."
         ),
     )
+    driver_jit: Literal["tiered", "c1"] = Field(
+        default="tiered",
+        description=(
+            "The driver JVM's JIT compilers. 'tiered': the JVM's default, C1 then C2. 'c1': "
+            f"the client compiler only ({C1_ONLY}): a run of one or two table-hours is faster "
+            "(a cold table-hour by ~5 s, a quarter) on a third to a half less CPU, but longer "
+            "runs are slower (50 tables' hour, two at a time: 18% longer), as C1's code is. "
+            "For deployments whose runs are single table-hours. Ignored where the driver's "
+            "Java options choose the JIT themselves. docs/benchmark.md has the figures."
+        ),
+    )
     extra_conf: dict[str, str] = Field(default_factory=dict, description="Any other Spark conf.")
     jvm_archive_dir: str | None = Field(
         default=str(DEFAULT_JVM_ARCHIVE_DIR),
@@ -264,8 +279,19 @@ class SparkResource(dg.ConfigurableResource):
                 conf["spark.jars"] += "," + store
                 conf[LOG_STORE_CONF] = CONDITIONAL_PUT_LOG_STORE
         conf.update(self.extra_conf)
+        conf = self._with_jit(conf)
         archives = None if self.jvm_archive_dir is None else Path(self.jvm_archive_dir)
         return jvm_archive.with_archive(conf, archives)
+
+    def _with_jit(self, conf: dict[str, str]) -> dict[str, str]:
+        """`conf` with the driver's JIT as `driver_jit` says, unless the driver's options
+        already choose one."""
+        if self.driver_jit == "tiered" or any(
+            flag in conf.get(name, "") for name in jvm_archive.USER_OPTIONS for flag in _OWN_JIT
+        ):
+            return conf
+        name = jvm_archive.DRIVER_OPTIONS
+        return {**conf, name: f"{conf.get(name, '')} {C1_ONLY}".strip()}
 
     @property
     def session(self) -> SparkSession:

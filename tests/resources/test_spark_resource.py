@@ -10,6 +10,7 @@ import pytest
 
 from resources import jvm_archive
 from resources.spark import (
+    C1_ONLY,
     CONDITIONAL_PUT_LOG_STORE,
     LOG_STORE_CONF,
     SparkJarsMissingError,
@@ -81,7 +82,12 @@ def test_the_driver_starts_on_the_class_archive_made_for_its_java_and_class_path
     extra = {"spark.driver.extraJavaOptions": "-Dmine=1"}
 
     def conf(**fields) -> dict[str, str]:
-        settings = {"jvm_archive_dir": str(archives), "extra_conf": extra, **fields}
+        settings = {
+            "jvm_archive_dir": str(archives),
+            "extra_conf": extra,
+            "driver_jit": "tiered",  # no JIT option of its own (test below)
+            **fields,
+        }
         return SparkResource(
             jars_dir=str(jars), s3_jars_dir=str(tmp_path / "none"), **settings
         ).spark_config()
@@ -132,3 +138,22 @@ def test_install_keeps_the_archive_jvms_output_in_its_log(tmp_path, capfd):
     subprocess.run(["sh", "-c", "echo after"], check=True)
     assert log.read_text().split() == ["spark", "warning", "spark", "out"]
     assert capfd.readouterr().out == "after\n"
+
+
+def test_the_driver_compiles_with_c1_only_when_told(tmp_path):
+    def options(**fields) -> list[str]:
+        conf = SparkResource(
+            jars_dir=str(_dir(tmp_path / "jars", *JARS)),
+            s3_jars_dir=str(tmp_path / "none"),
+            jvm_archive_dir=None,
+            **fields,
+        ).spark_config()
+        return [conf.get(name, "") for name in jvm_archive.USER_OPTIONS]
+
+    mine = {"spark.driver.extraJavaOptions": "-Dmine=1"}
+    assert options(extra_conf=mine) == ["", "-Dmine=1"]  # tiered: the JVM's default
+    assert options(driver_jit="c1", extra_conf=mine) == [C1_ONLY, "-Dmine=1"]
+    # The user's own choice of JIT stands, whichever driver_jit says.
+    for own in ("-XX:TieredStopAtLevel=3", "-XX:-TieredCompilation"):
+        extra = {"spark.driver.extraJavaOptions": own}
+        assert options(driver_jit="c1", extra_conf=extra) == ["", own]
