@@ -447,70 +447,90 @@ def audit_history(
     key_range: Mapping[str, tuple] | None = None,
 ) -> HistoryAudit:
     """Judges the stored versions of the hour's keys (the keys of `changes`) after the run
-    against themselves and the mirror (`HistoryAudit`), read back from both tables: one query
-    each way. The versions judged are those the run could alter (`_affected_versions`); the
-    ones that ended before a key's earliest change were judged by the run that wrote them."""
+    against themselves and the mirror (`HistoryAudit`), read back from both tables in one Spark
+    action: the versions and the mirror's live rows of those keys side by side, grouped by key
+    once. The versions judged are those the run could alter (`_affected_versions`); the ones
+    that ended before a key's earliest change were judged by the run that wrote them."""
     keys = list(spec.primary_key)
-    versions = _affected_versions(spark, path, keys, key_range or {}, changes)
+    bounds = key_range or {}
     hour_keys = changes.select(*keys).distinct()
-    ordered = Window.partitionBy(*keys).orderBy(SEQUENCE)
-    following = F.lead(SEQUENCE).over(ordered)
-    broken = (
-        ~F.col(END_SEQUENCE).eqNullSafe(following)
-        | ~F.col(VALID_TO).eqNullSafe(F.lead(VALID_FROM).over(ordered))
-        | (F.col(CURRENT) != following.isNull())
-    )
-    judged = versions.withColumn("_broken", broken)
-    per_key = judged.groupBy(*keys).agg(
-        F.sum(F.col(CURRENT).cast("int")).alias("_current"),
-        F.sum(F.col("_broken").cast("int")).alias("_broken"),
-    )
-    current = versions.where(F.col(CURRENT))
-    mirror = _mirror_rows(spark, mirror_path, keys, key_range or {}, hour_keys)
-    mirror_live = mirror.where(~F.col(DELETED))
+    mirror = _mirror_rows(spark, mirror_path, keys, bounds, hour_keys).where(~F.col(DELETED))
     compared = [c for c in data if c not in keys and c in mirror.columns]
-    h = current.select(
+    flags = [unknown_flag(c) for c in spec.toasted_columns]
+    versions = _affected_versions(spark, path, keys, bounds, changes).select(
         *keys,
-        F.col(DELETED).alias("_h_deleted"),
-        F.col(SEQUENCE).alias("_h_sequence"),
-        *[F.col(c).alias(f"_h_{c}") for c in compared],
-        *[F.col(unknown_flag(c)).alias(f"_hu_{c}") for c in spec.toasted_columns],
+        F.lit(True).alias("_h"),
+        SEQUENCE,
+        END_SEQUENCE,
+        VALID_FROM,
+        VALID_TO,
+        CURRENT,
+        DELETED,
+        *compared,
+        *flags,
     )
-    m = mirror_live.select(
-        *keys,
-        F.col(SEQUENCE).alias("_m_sequence"),
-        *[F.col(c).alias(f"_m_{c}") for c in compared],
+    rows = versions.unionByName(
+        mirror.select(*keys, F.lit(False).alias("_h"), SEQUENCE, *compared),
+        allowMissingColumns=True,
     )
+    # Each key's versions in order, its mirror rows after them (`_h` false sorts last here).
+    ordered = Window.partitionBy(*keys).orderBy(F.col("_h").desc(), F.col(SEQUENCE))
+
+    def following(column: str) -> Column:
+        """The key's next version's `column` (null after its last version)."""
+        return F.when(F.lead("_h").over(ordered), F.lead(column).over(ordered))
+
+    broken = F.col("_h") & (
+        ~F.col(END_SEQUENCE).eqNullSafe(following(SEQUENCE))
+        | ~F.col(VALID_TO).eqNullSafe(following(VALID_FROM))
+        | (F.col(CURRENT) != following(SEQUENCE).isNull())
+    )
+    current = F.col("_h") & F.col(CURRENT)
+    in_mirror = ~F.col("_h")
+
+    def newest(condition: Column, *columns: str) -> Column:
+        """The key's row with the highest sequence among those meeting `condition`."""
+        picked = F.struct(*[F.col(c).alias(c) for c in columns])
+        return F.max_by(F.when(condition, picked), F.when(condition, F.col(SEQUENCE)))
+
+    per_key = (
+        rows.withColumn("_broken", broken)
+        .groupBy(*keys)
+        .agg(
+            F.max(F.col("_h").cast("int")).alias("_versions"),
+            F.count(F.when(current, 1)).alias("_current"),
+            F.count(F.when(F.col("_broken"), 1)).alias("_broken"),
+            newest(current, DELETED, SEQUENCE, *compared, *flags).alias("h"),
+            newest(in_mirror, SEQUENCE, *compared).alias("m"),
+        )
+    )
+    in_history = F.col("h").isNotNull() & ~F.col(f"h.{DELETED}")
+    mirrored = F.col("m").isNotNull()
     same = F.lit(True)
     for c in compared:
-        equal = F.col(f"_h_{c}").eqNullSafe(F.col(f"_m_{c}"))
+        equal = F.col(f"h.`{c}`").eqNullSafe(F.col(f"m.`{c}`"))
         if c in spec.toasted_columns:
-            equal = equal | F.col(f"_hu_{c}")
+            equal = equal | F.col(f"h.`{unknown_flag(c)}`")
         same = same & equal
-    pairs = h.join(m, on=keys, how="full_outer")
-    in_history = F.col("_h_sequence").isNotNull() & ~F.col("_h_deleted")
-    in_mirror = F.col("_m_sequence").isNotNull()
     # delete_mode: hard converges only in order (cdc_assets/rule.py): an older change that ran
     # after the delete put the row back in the mirror. The history is right; counted apart.
     revived = F.lit(spec.delete_mode == "hard") & F.coalesce(
-        F.col("_h_deleted") & in_mirror & (F.col("_m_sequence") < F.col("_h_sequence")),
+        F.col(f"h.{DELETED}") & mirrored & (F.col(f"m.{SEQUENCE}") < F.col(f"h.{SEQUENCE}")),
         F.lit(False),
     )
-    differs = ~revived & ((in_history != in_mirror) | (in_history & in_mirror & ~same))
+    differs = ~revived & ((in_history != mirrored) | (in_history & mirrored & ~same))
     unknown = F.lit(False)
     for c in spec.toasted_columns:
-        unknown = unknown | (in_history & F.coalesce(F.col(f"_hu_{c}"), F.lit(False)))
-    judged_pairs = pairs.agg(
+        unknown = unknown | (in_history & F.coalesce(F.col(f"h.`{unknown_flag(c)}`"), F.lit(False)))
+    has_versions = F.col("_versions") == 1
+    found = per_key.agg(
+        F.count(F.when(has_versions, 1)).alias("keys"),
+        F.count(F.when(has_versions & (F.col("_current") != 1), 1)).alias("current_not_one"),
+        F.coalesce(F.sum("_broken"), F.lit(0)).alias("broken"),
         F.count(F.when(differs, 1)).alias("mismatches"),
         F.count(F.when(unknown, 1)).alias("unknown"),
         F.count(F.when(revived, 1)).alias("revived"),
-    )
-    own = per_key.agg(
-        F.count(F.lit(1)).alias("keys"),
-        F.count(F.when(F.col("_current") != 1, 1)).alias("current_not_one"),
-        F.coalesce(F.sum("_broken"), F.lit(0)).alias("broken"),
-    )
-    found = own.crossJoin(judged_pairs).first()  # one Spark action for both sides
+    ).first()
     return HistoryAudit(
         keys=int(found["keys"]),
         current_not_one=int(found["current_not_one"]),
