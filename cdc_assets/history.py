@@ -69,6 +69,9 @@ VALID_FROM, VALID_TO = "_cdc_valid_from", "_cdc_valid_to"
 END_SEQUENCE, CURRENT = "_cdc_end_sequence", "_cdc_current"
 # The Kafka coordinates closing the `_cdc_sequence` struct: not part of a version's identity.
 KAFKA_FIELDS = ("kafka_partition", "kafka_offset")
+# The audit's own columns, under the prefix no source column may take (`cdc_assets.config`).
+AUDIT = "_cdc_audit_"
+IS_VERSION = f"{AUDIT}is_version"  # a history version, not a mirror row
 
 
 def history_name(spec: TableSpec) -> str:
@@ -450,7 +453,9 @@ def audit_history(
     against themselves and the mirror (`HistoryAudit`), read back from both tables in one Spark
     action: the versions and the mirror's live rows of those keys side by side, grouped by key
     once. The versions judged are those the run could alter (`_affected_versions`); the ones
-    that ended before a key's earliest change were judged by the run that wrote them."""
+    that ended before a key's earliest change were judged by the run that wrote them. A key
+    with several current versions (`current_not_one`) or several live mirror rows (the
+    mirror's `primary_key_unique`) is compared by its newest of each, once."""
     keys = list(spec.primary_key)
     bounds = key_range or {}
     hour_keys = changes.select(*keys).distinct()
@@ -459,7 +464,7 @@ def audit_history(
     flags = [unknown_flag(c) for c in spec.toasted_columns]
     versions = _affected_versions(spark, path, keys, bounds, changes).select(
         *keys,
-        F.lit(True).alias("_h"),
+        F.lit(True).alias(IS_VERSION),
         SEQUENCE,
         END_SEQUENCE,
         VALID_FROM,
@@ -470,63 +475,73 @@ def audit_history(
         *flags,
     )
     rows = versions.unionByName(
-        mirror.select(*keys, F.lit(False).alias("_h"), SEQUENCE, *compared),
+        mirror.select(*keys, F.lit(False).alias(IS_VERSION), SEQUENCE, *compared),
         allowMissingColumns=True,
     )
-    # Each key's versions in order, its mirror rows after them (`_h` false sorts last here).
-    ordered = Window.partitionBy(*keys).orderBy(F.col("_h").desc(), F.col(SEQUENCE))
+    # Each key's versions in order, its mirror rows after them (false sorts last here).
+    ordered = Window.partitionBy(*keys).orderBy(F.col(IS_VERSION).desc(), F.col(SEQUENCE))
 
     def following(column: str) -> Column:
         """The key's next version's `column` (null after its last version)."""
-        return F.when(F.lead("_h").over(ordered), F.lead(column).over(ordered))
+        return F.when(F.lead(IS_VERSION).over(ordered), F.lead(column).over(ordered))
 
-    broken = F.col("_h") & (
+    broken = F.col(IS_VERSION) & (
         ~F.col(END_SEQUENCE).eqNullSafe(following(SEQUENCE))
         | ~F.col(VALID_TO).eqNullSafe(following(VALID_FROM))
         | (F.col(CURRENT) != following(SEQUENCE).isNull())
     )
-    current = F.col("_h") & F.col(CURRENT)
-    in_mirror = ~F.col("_h")
+    current = F.col(IS_VERSION) & F.col(CURRENT)
+    in_mirror = ~F.col(IS_VERSION)
 
     def newest(condition: Column, *columns: str) -> Column:
         """The key's row with the highest sequence among those meeting `condition`."""
         picked = F.struct(*[F.col(c).alias(c) for c in columns])
         return F.max_by(F.when(condition, picked), F.when(condition, F.col(SEQUENCE)))
 
+    # A window's value can't go inside an aggregate: each row's verdict is a column first.
     per_key = (
-        rows.withColumn("_broken", broken)
+        rows.withColumn(f"{AUDIT}broken", broken)
         .groupBy(*keys)
         .agg(
-            F.max(F.col("_h").cast("int")).alias("_versions"),
-            F.count(F.when(current, 1)).alias("_current"),
-            F.count(F.when(F.col("_broken"), 1)).alias("_broken"),
-            newest(current, DELETED, SEQUENCE, *compared, *flags).alias("h"),
-            newest(in_mirror, SEQUENCE, *compared).alias("m"),
+            F.max(F.col(IS_VERSION).cast("int")).alias(f"{AUDIT}versions"),
+            F.count(F.when(current, 1)).alias(f"{AUDIT}current"),
+            F.count(F.when(F.col(f"{AUDIT}broken"), 1)).alias(f"{AUDIT}broken"),
+            newest(current, DELETED, SEQUENCE, *compared, *flags).alias(f"{AUDIT}h"),
+            newest(in_mirror, SEQUENCE, *compared).alias(f"{AUDIT}m"),
         )
     )
-    in_history = F.col("h").isNotNull() & ~F.col(f"h.{DELETED}")
-    mirrored = F.col("m").isNotNull()
+
+    def h(column: str) -> Column:
+        """A column of the key's current version."""
+        return F.col(f"{AUDIT}h.`{column}`")
+
+    def m(column: str) -> Column:
+        """A column of the key's live mirror row."""
+        return F.col(f"{AUDIT}m.`{column}`")
+
+    in_history = F.col(f"{AUDIT}h").isNotNull() & ~h(DELETED)
+    mirrored = F.col(f"{AUDIT}m").isNotNull()
     same = F.lit(True)
     for c in compared:
-        equal = F.col(f"h.`{c}`").eqNullSafe(F.col(f"m.`{c}`"))
+        equal = h(c).eqNullSafe(m(c))
         if c in spec.toasted_columns:
-            equal = equal | F.col(f"h.`{unknown_flag(c)}`")
+            equal = equal | h(unknown_flag(c))
         same = same & equal
     # delete_mode: hard converges only in order (cdc_assets/rule.py): an older change that ran
     # after the delete put the row back in the mirror. The history is right; counted apart.
     revived = F.lit(spec.delete_mode == "hard") & F.coalesce(
-        F.col(f"h.{DELETED}") & mirrored & (F.col(f"m.{SEQUENCE}") < F.col(f"h.{SEQUENCE}")),
+        h(DELETED) & mirrored & (m(SEQUENCE) < h(SEQUENCE)),
         F.lit(False),
     )
     differs = ~revived & ((in_history != mirrored) | (in_history & mirrored & ~same))
     unknown = F.lit(False)
     for c in spec.toasted_columns:
-        unknown = unknown | (in_history & F.coalesce(F.col(f"h.`{unknown_flag(c)}`"), F.lit(False)))
-    has_versions = F.col("_versions") == 1
+        unknown = unknown | (in_history & F.coalesce(h(unknown_flag(c)), F.lit(False)))
+    has_versions = F.col(f"{AUDIT}versions") == 1
     found = per_key.agg(
         F.count(F.when(has_versions, 1)).alias("keys"),
-        F.count(F.when(has_versions & (F.col("_current") != 1), 1)).alias("current_not_one"),
-        F.coalesce(F.sum("_broken"), F.lit(0)).alias("broken"),
+        F.count(F.when(has_versions & (F.col(f"{AUDIT}current") != 1), 1)).alias("current_not_one"),
+        F.coalesce(F.sum(f"{AUDIT}broken"), F.lit(0)).alias("broken"),
         F.count(F.when(differs, 1)).alias("mismatches"),
         F.count(F.when(unknown, 1)).alias("unknown"),
         F.count(F.when(revived, 1)).alias("revived"),
