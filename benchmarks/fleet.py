@@ -613,6 +613,7 @@ def warm(hour_key: str) -> int:
 
     from cdc_assets.config import load_tables
     from cdc_assets.factory import build_mirror_assets
+    from resources.environment import driver_jit_from_env
     from resources.kafka import KafkaResource
     from resources.lake import LakeResource
     from resources.spark import SparkResource
@@ -625,7 +626,7 @@ def warm(hour_key: str) -> int:
             instance=instance,
             resources={
                 "kafka": KafkaResource(bootstrap_servers=os.environ["CDC_KAFKA_BOOTSTRAP_SERVERS"]),
-                "spark": SparkResource(),
+                "spark": SparkResource(driver_jit=driver_jit_from_env()),
                 "lake": LakeResource(root=os.environ["CDC_LAKE_ROOT"]),
             },
             raise_on_error=False,

@@ -39,6 +39,8 @@ CONDITIONAL_PUT_LOG_STORE = "io.cdclake.delta.ConditionalPutLogStore"
 # its first compiler. Options of the user's that choose the JIT themselves are left alone.
 C1_ONLY = "-XX:TieredStopAtLevel=1"
 _OWN_JIT = ("TieredStopAtLevel", "TieredCompilation")
+DRIVER_JITS = ("tiered", "c1")
+DriverJit = Literal["tiered", "c1"]
 
 
 # How the mirrors' Parquet files store timestamps: as microseconds (TIMESTAMP_MICROS), the
@@ -209,14 +211,15 @@ class SparkResource(dg.ConfigurableResource):
             "driver, without a Spark job for the read; larger ones by Spark's Kafka source."
         ),
     )
-    driver_jit: Literal["tiered", "c1"] = Field(
+    driver_jit: DriverJit = Field(
         default="tiered",
         description=(
             "The driver JVM's JIT compilers. 'tiered': the JVM's default, C1 then C2. 'c1': "
             f"the client compiler only ({C1_ONLY}): a run of one or two table-hours is faster "
             "(a cold table-hour by ~5 s, a quarter) on a third to a half less CPU, but longer "
             "runs are slower (50 tables' hour, two at a time: 18% longer), as C1's code is. "
-            "For deployments whose runs are single table-hours. Ignored where the driver's "
+            "For deployments whose runs are single table-hours (env CDC_SPARK_DRIVER_JIT where "
+            "the resources come from the environment). Ignored where the driver's "
             "Java options choose the JIT themselves. docs/benchmark.md has the figures."
         ),
     )

@@ -4,8 +4,10 @@ and every entry point runs with the same resources."""
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 
 from resources.environment import (
+    DRIVER_JIT_ENV,
     KAFKA_BOOTSTRAP_ENV,
     LAKE_ROOT_ENV,
     MASKING_KEY_ENV,
@@ -30,6 +32,10 @@ def test_secrets_are_named_not_read():
     assert resources["kafka"].bootstrap_servers == dg.EnvVar(KAFKA_BOOTSTRAP_ENV)
     assert resources["lake"].root == dg.EnvVar(LAKE_ROOT_ENV)
     assert resources["lake"].single_writer is True
+    assert resources["spark"].driver_jit == "tiered"  # unset
+    assert resources_from_env({**ENVIRON, DRIVER_JIT_ENV: "C1"})["spark"].driver_jit == "c1"
+    with pytest.raises(ValueError, match=f"{DRIVER_JIT_ENV}='c2': set it to tiered or c1"):
+        resources_from_env({**ENVIRON, DRIVER_JIT_ENV: "c2"})
 
 
 def test_every_entry_point_runs_with_them(monkeypatch):
