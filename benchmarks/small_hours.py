@@ -7,6 +7,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --stages --hot-keys 5
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages --without-prior-rows
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --interpreted-max-bytes 0
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
 and updates of an accounts table over 500 keys, then runs the hours in order through `run_hour`
@@ -27,6 +28,9 @@ set against its wall time: the rest is the driver's work between jobs.
 `--hot-keys N` sends a tenth of each hour's changes to N keys, the rest over all 500: those keys
 gain ~20/N versions an hour, so a history run that read a key's whole past would grow hour by
 hour; with `--stages` each hour's line gives its history stage's time to show it does not.
+
+`--interpreted-max-bytes 0` has every hour generate code for its expressions (`run_hour`'s
+setting; by default hours into a mirror under 1 MiB run interpreted), to compare the two.
 
 `--without-prior-rows` replaces the prior-rows query (`cdc_assets.merge.prior_rows`) with zero
 counts, to measure what it costs: timing only, `primary_key_unique` then fails on every hour
@@ -250,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="zero counts for the prior-rows query, timing only (primary_key_unique fails)",
     )
+    parser.add_argument(
+        "--interpreted-max-bytes",
+        type=int,
+        default=SparkResource().interpreted_max_bytes,
+        help="run_hour's setting: mirrors smaller than this run interpreted (0: never)",
+    )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 result = run_hour(
                     spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key,
-                    checks=MIRROR_CHECKS,
+                    checks=MIRROR_CHECKS, interpreted_max_bytes=args.interpreted_max_bytes,
                 )  # fmt: skip
             after = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))

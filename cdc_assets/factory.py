@@ -271,6 +271,7 @@ def _run_in_process(context: dg.AssetExecutionContext, run: MirrorsRun) -> Itera
         parallelism=spark.parallel_tables,
         force_open_hour=run.config.force_open_hour,
         local_read_max_records=spark.local_read_max_records,
+        interpreted_max_bytes=spark.interpreted_max_bytes,
         on_done=lambda outcome: _log_table(context, outcome),
     )
     failed, left_open, asked = [], 0, {spec.name: hours for spec, hours in run.work}

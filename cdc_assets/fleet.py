@@ -67,6 +67,7 @@ def run_tables(
     parallelism: int,
     force_open_hour: bool = False,
     local_read_max_records: int | None = None,
+    interpreted_max_bytes: int | None = None,
     on_done: Callable[[TableRun], None] | None = None,
 ) -> list[TableRun]:
     """Runs each table's hours, tables in parallel; returns their outcomes in `work`'s order.
@@ -78,6 +79,8 @@ def run_tables(
     extra: dict = {"checks": checks}
     if local_read_max_records is not None:
         extra["local_read_max_records"] = local_read_max_records
+    if interpreted_max_bytes is not None:
+        extra["interpreted_max_bytes"] = interpreted_max_bytes
     counter = iter(range(1_000_000))
     lock = threading.Lock()
 

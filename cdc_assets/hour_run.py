@@ -90,6 +90,8 @@ log = logging.getLogger(__name__)
 
 # Slices up to this many records are read and decoded in the driver (see `run_hour`).
 DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
+# Such an hour into tables smaller than this runs Spark's expressions interpreted (`run_hour`).
+DEFAULT_INTERPRETED_MAX_BYTES = 1024 * 1024
 
 
 def run_hour(
@@ -104,6 +106,7 @@ def run_hour(
     force_open_hour: bool = False,
     masking_key: HmacKey | None = None,
     local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
+    interpreted_max_bytes: int = DEFAULT_INTERPRETED_MAX_BYTES,
 ) -> HourResult:
     """Materializes one hour of `spec` into its Delta mirror and returns what happened.
 
@@ -114,6 +117,10 @@ def run_hour(
     (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
     one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
     same decoder, so they give the same rows.
+
+    Such an hour, when its mirror (and history) hold fewer than `interpreted_max_bytes` bytes,
+    has Spark evaluate its expressions without generating code for them (`sized_shuffles`);
+    0 never does.
     """
     lake.connect(spark)
     path = lake.table_path(spec.name)
@@ -126,8 +133,11 @@ def run_hour(
         )
         if hour.slice.size == 0 and ctx.version is not None:
             return record_empty(ctx, hour)
+        interpreted = interpreted_tables(ctx, hour, interpreted_max_bytes)
         with (
-            sized_shuffles(spark, hour.slice.size, adaptive=not hour.local),
+            sized_shuffles(
+                spark, hour.slice.size, adaptive=not hour.local, interpreted=interpreted
+            ),
             _Frames(hour.local) as frames,
         ):
             stored_schema = stored_mirror(ctx)
@@ -611,10 +621,16 @@ def _storage_failures_named(spec: TableSpec, hour_key: str, path: str) -> Iterat
 RECORDS_PER_SHUFFLE_PARTITION = 100_000
 
 ADAPTIVE = "spark.sql.adaptive.enabled"
+# Spark's choice between generating code for expressions and evaluating them as they are:
+# NO_CODEGEN evaluates every projection, predicate and whole stage without generating a class.
+CODEGEN_FACTORY_MODE = "spark.sql.codegen.factoryMode"
+INTERPRETED = "NO_CODEGEN"
 
 
 @contextmanager
-def sized_shuffles(spark: SparkSession, records: int, *, adaptive: bool = True) -> Iterator[None]:
+def sized_shuffles(
+    spark: SparkSession, records: int, *, adaptive: bool = True, interpreted: bool = False
+) -> Iterator[None]:
     """Sets the session's shuffle partitions for an hour of `records` records, then restores
     them (a run's tables each have a session of their own, `cdc_assets.fleet`).
 
@@ -622,14 +638,37 @@ def sized_shuffles(spark: SparkSession, records: int, *, adaptive: bool = True) 
     (a local relation, whose size Spark knows, so the planner broadcasts it without AQE's help)
     and of one shuffle partition, AQE has nothing to coalesce or convert, and its planning again
     at every stage costs a small hour more than it saves (docs/benchmark.md, "Small table-hours",
-    has the before and after). Hours Spark reads keep it."""
+    has the before and after). Hours Spark reads keep it.
+
+    `interpreted=True` (`interpreted_tables`) has Spark evaluate the hour's expressions without
+    generating code for them: generating it (per task, for each projection of Delta's wide file
+    actions too) costs more than it saves on a few thousand rows, and ~10 microseconds more a
+    row than compiled code on many."""
     key = "spark.sql.shuffle.partitions"
     width = -(-records // RECORDS_PER_SHUFFLE_PARTITION)
     settings = {key: str(max(1, min(int(spark.conf.get(key)), width)))}
     if not adaptive and width <= 1:
         settings[ADAPTIVE] = "false"
+    if interpreted:
+        settings[CODEGEN_FACTORY_MODE] = INTERPRETED
     with session_settings(spark, settings):
         yield
+
+
+def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool:
+    """Whether the hour runs interpreted (`sized_shuffles`): it was read in this process and
+    the tables its queries scan, the mirror and (`history: true`) its history, hold fewer than
+    `max_bytes` bytes of data files by Delta's checksum (a table not created yet holds none; a
+    size not known counts as large)."""
+    if not hour.local or max_bytes <= 0:
+        return False
+    paths = [ctx.path] + ([ctx.lake.table_path(history_name(ctx.spec))] if ctx.spec.history else [])
+    for path in paths:
+        ledger = ctx.ledger if path == ctx.path else delta_log(path, ctx.lake.s3_client())
+        size = None if ledger is None else ledger.size_bytes(absent=0)
+        if size is None or size >= max_bytes:
+            return False
+    return True
 
 
 def _after_truncates(

@@ -97,13 +97,16 @@ class DeltaLog:
         ]
         return (commits[0].version if commits else None), history
 
-    def size_bytes(self) -> int | None:
+    def size_bytes(self, *, absent: int | None = None) -> int | None:
         """The table's data files' bytes at its latest version, from the checksum file Delta
         writes beside each commit (`<version>.crc`, `tableSizeBytes`); None where that version
-        has none (a writer that writes no checksum, or one that stopped before it)."""
+        has none (a writer that writes no checksum, or one that stopped before it); `absent`
+        where the table has no commit yet."""
         versions = self.versions()
-        name = f"{versions[-1]:020d}.crc" if versions else None
-        if name is None or name not in (self._stamps or {}):
+        if not versions:
+            return absent
+        name = f"{versions[-1]:020d}.crc"
+        if name not in (self._stamps or {}):
             return None
         try:
             return int(json.loads(self._text(name))["tableSizeBytes"])

@@ -4,7 +4,8 @@ A table-hour's plans make Spark generate about 110 classes. With Spark's default
 generated classes (`spark.sql.codegen.cache.maxEntries`), an LRU cache cycled through more
 entries than it holds missed on every one, and each hour compiled them all again (Janino, then
 the JIT). SparkResource's `codegen_cache_entries` keeps them: from the third hour on, only the
-classes whose code inlines a value of that hour (a key bound, a timestamp) are compiled.
+classes whose code inlines a value of that hour (a key bound, a timestamp) are compiled. A small
+hour into a small mirror generates none at all: it runs interpreted (`interpreted_max_bytes`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,41 @@ def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_o
     compiled = []
     for hour in range(4):
         before = compiled_classes(spark)
-        result = run(hour)
+        result = run(hour, interpreted_max_bytes=0)  # code generated for every hour
         compiled.append(compiled_classes(spark) - before)
         assert result.counts.applied == 5, (hour, result.counts)
     # The first hour creates the table and the second is the first MERGE into rows: both
     # compile most of what later hours reuse.
     assert max(compiled[2:]) <= AT_MOST, compiled
+
+
+def test_a_small_hour_into_a_small_mirror_runs_interpreted_a_larger_one_compiled(
+    broker, kafka, spark, create_topic, lake
+):
+    spec = table.spec(create_topic("session-interpreted", partitions=PARTITIONS))
+    changes = [
+        table.change("c" if hour == 0 else "u", row_id, 100 * hour + row_id, hour=hour, second=1)
+        for hour in range(4)
+        for row_id in range(1, 6)
+    ]
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, PARTITIONS, after_hour=3)
+    run = table.runner(spark, kafka, lake, spec)
+    compiled, setting = [], "spark.sql.codegen.factoryMode"
+    # The default: the mirror (a few KB) is far under 1 MiB, so no hour generates a class.
+    for hour, max_bytes in ((0, None), (1, None), (2, 1), (3, None)):
+        options = {} if max_bytes is None else {"interpreted_max_bytes": max_bytes}
+        before = compiled_classes(spark)
+        result = run(hour, **options)
+        compiled.append(compiled_classes(spark) - before)
+        assert result.counts.applied == 5, (hour, result.counts)
+        assert spark.conf.get(setting, None) is None, "the hour left its setting on the session"
+    # Hour 2's mirror is larger than its 1-byte limit: its queries compile what they need (at
+    # least the classes inlining its own key bounds). The first hours may compile a class or two
+    # that has no interpreted form (read from the cache ever after).
+    assert compiled[3] == 0 and compiled[2] > 0, compiled
+    stored = spark.read.format("delta").load(lake.table_path(spec.name)).collect()
+    assert {r["id"]: r["balance"] for r in stored} == {n: 300 + n for n in range(1, 6)}
 
 
 def test_the_driver_jvm_maps_the_class_archive_install_made(spark, spark_resource):
