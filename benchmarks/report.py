@@ -124,7 +124,9 @@ def rows(results: dict) -> list[list[str]]:
             out.append(
                 [
                     case["case"],
-                    run["variant"],
+                    # A row a later run of some variants put beside the case's others.
+                    run["variant"]
+                    + (f" ({run['measured_at'][:10]})" if run.get("measured_at") else ""),
                     f"{run['wall_s']:.1f}",
                     "" if series else f"{start_s(run):.1f}",
                     "" if series else f"{work_s(run):.1f}",

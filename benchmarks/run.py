@@ -538,14 +538,19 @@ def results_stem(args: argparse.Namespace) -> Path:
 
 
 def _save(results: dict, args: argparse.Namespace) -> None:
-    """Saves the results; a run of some cases (--only) replaces just those cases in the file."""
+    """Saves the results; a run of some cases (--only) replaces just those cases in the file,
+    and a run of some variants (--variants) just those variants' rows of its cases."""
     path = results_stem(args).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if args.only and path.exists():
+    if (args.only or args.variants) and path.exists():
         saved = json.loads(path.read_text())
         ran = {c["case"] for c in results["cases"]}
         order = [c.name for c in PROFILES[args.profile]]
-        cases = [c for c in saved["cases"] if c["case"] not in ran] + results["cases"]
+        fresh = results["cases"]
+        if args.variants:
+            before = {c["case"]: c for c in saved["cases"]}
+            fresh = [_with_variants(c, before.get(c["case"]), results["started_at"]) for c in fresh]
+        cases = [c for c in saved["cases"] if c["case"] not in ran] + fresh
         cases.sort(key=lambda c: order.index(c["case"]) if c["case"] in order else len(order))
         results = {
             **results,
@@ -555,6 +560,23 @@ def _save(results: dict, args: argparse.Namespace) -> None:
             ),
         }
     path.write_text(json.dumps(results, indent=2))
+
+
+def _with_variants(case: dict, saved: dict | None, started_at: str) -> dict:
+    """`case`'s rows (a run of some variants, each marked with when it ran) put in place of the
+    same variants' rows of the saved case; its other variants' rows are kept as they were."""
+    if saved is None or "runs" not in case or "runs" not in saved:
+        return case
+    ran = {row["variant"] for row in case["runs"]}
+    runs = {row["variant"]: row for row in saved["runs"] if row["variant"] not in ran}
+    runs.update({row["variant"]: {**row, "measured_at": started_at} for row in case["runs"]})
+    variants = [
+        *saved.get("variants", []),
+        *(v for v in case["variants"] if v not in saved.get("variants", [])),
+    ]
+    order = {v: i for i, v in enumerate(variants)}
+    rows = sorted(runs.values(), key=lambda row: order.get(row["variant"], len(order)))
+    return {**saved, **case, "variants": variants, "runs": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
