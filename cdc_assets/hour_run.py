@@ -622,7 +622,9 @@ RECORDS_PER_SHUFFLE_PARTITION = 100_000
 
 ADAPTIVE = "spark.sql.adaptive.enabled"
 # Spark's choice between generating code for expressions and evaluating them as they are:
-# NO_CODEGEN evaluates every projection, predicate and whole stage without generating a class.
+# NO_CODEGEN evaluates projections, predicates and stages without generating classes for them
+# (what a few callers generate directly, such as Delta's statistics of a written file, and
+# what Spark's class cache already holds, are still used).
 CODEGEN_FACTORY_MODE = "spark.sql.codegen.factoryMode"
 INTERPRETED = "NO_CODEGEN"
 
@@ -657,14 +659,17 @@ def sized_shuffles(
 
 def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool:
     """Whether the hour runs interpreted (`sized_shuffles`): it was read in this process and
-    the tables its queries scan, the mirror and (`history: true`) its history, hold fewer than
-    `max_bytes` bytes of data files by Delta's checksum (a table not created yet holds none; a
-    size not known counts as large)."""
+    each table its MERGEs may scan, the mirror, its error table (scanned whole when the hour
+    has errors) and (`history: true`) its history, holds fewer than `max_bytes` bytes of data
+    files by Delta's checksum (a table not created yet holds none; a size not known, or a lake
+    whose log is read by Spark rather than `delta_log`, counts as large)."""
     if not hour.local or max_bytes <= 0:
         return False
-    paths = [ctx.path] + ([ctx.lake.table_path(history_name(ctx.spec))] if ctx.spec.history else [])
+    spec, lake = ctx.spec, ctx.lake
+    others = [spec.error_table_name, *([history_name(spec)] if spec.history else [])]
+    paths = [ctx.path, *(lake.table_path(name) for name in others)]
     for path in paths:
-        ledger = ctx.ledger if path == ctx.path else delta_log(path, ctx.lake.s3_client())
+        ledger = ctx.ledger if path == ctx.path else delta_log(path, lake.s3_client())
         size = None if ledger is None else ledger.size_bytes(absent=0)
         if size is None or size >= max_bytes:
             return False

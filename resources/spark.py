@@ -69,9 +69,9 @@ def session_settings(spark: SparkSession, settings: Mapping[str, str]) -> Iterat
     """Sets `settings` on the session for the block, then puts back what was there (unset when
     nothing was set). A run's tables each have a session of their own (`cdc_assets.fleet`)."""
     previous = {name: spark.conf.get(name, None) for name in settings}
-    for name, value in settings.items():
-        spark.conf.set(name, value)
     try:
+        for name, value in settings.items():
+            spark.conf.set(name, value)
         yield
     finally:
         for name, value in previous.items():
@@ -215,11 +215,13 @@ class SparkResource(dg.ConfigurableResource):
         default=1024 * 1024,
         ge=0,
         description=(
-            "An hour read in the driver (local_read_max_records) into a mirror, and history, "
-            "smaller than this many bytes of data files runs Spark's expressions interpreted, "
-            "without generating and compiling code for them: on a few thousand rows that code "
-            "costs more than it saves (a warm small table-hour ~15% less), on many it is ~10 "
-            "microseconds a row slower. 0: always generate code."
+            "An hour read in the driver (local_read_max_records) into a mirror, error table "
+            "and history each smaller than this many bytes of data files runs Spark's "
+            "expressions interpreted, without generating and compiling code for them: on a "
+            "few thousand rows that code costs more than it saves (a warm small table-hour "
+            "11-13% less, with history 20%), on many rows interpreting is ~10 microseconds a "
+            "row slower. Lakes on local disk or S3 (others count as large). 0: always generate "
+            "code."
         ),
     )
     driver_jit: DriverJit = Field(

@@ -14,6 +14,8 @@ that replay does not depend on the order hours run in, and I3 says the mirror mu
 Every table-hour's accounting check (I2) must pass too, refreshes included. The first mirror
 keeps its history (`history: true`): its `__history` table must equal `demo.reference.history`
 of the same records version by version, and its `history` check pass on every table-hour.
+Hypothesis also draws whether a schedule's small hours run interpreted (the default for mirrors
+this small, `interpreted_max_bytes`) or generate code (the large tables' way); both must occur.
 
 How many schedules run is the Hypothesis profile's `max_examples` (tests/conftest.py): CI
 (`CI=true`, the `ci` profile) runs 20, derandomized, so the same 20 schedules every run: 112
@@ -213,17 +215,19 @@ def test_any_schedule_of_hours_converges_to_the_reference(
     assert len(faults) == 6 and all(faults.values()), faults  # the log has every fault
 
     total, cases, table_hours = Comparison(), 0, 0
+    modes: Counter[bool] = Counter()
     started = time.monotonic()
 
-    @given(_schedules())
-    def converges(schedule: list[list[Run]]) -> None:
+    # Whether the schedule's small hours generate code for their expressions, or run
+    # interpreted (`interpreted_max_bytes`, the default for mirrors this small): the rows must
+    # not tell the two apart.
+    @given(_schedules(), st.booleans())
+    def converges(schedule: list[list[Run]], compiled: bool) -> None:
         nonlocal cases, table_hours
         cases += 1
         note(f"schedule ((hour, refresh second) per mirror, in run order): {schedule}")
-        # Every other schedule generates code for its small hours instead of interpreting them
-        # (`interpreted_max_bytes`): the large tables' way, which the rows must not tell apart.
-        compiled = cases % 2 == 0
         note(f"code generated: {compiled}")
+        modes[compiled] += 1
         lake = LakeResource(root=str(tmp_path / f"schedule{cases}"))
         mirrors = [_mirror(spec, n) for n in range(len(schedule))]
         cuts: dict[tuple[str, str], list[int | None]] = {}
@@ -277,3 +281,4 @@ def test_any_schedule_of_hours_converges_to_the_reference(
         )
         record("convergence_property", total, faults=cases)
     assert cases >= settings().max_examples, f"only {cases} schedules ran"
+    assert len(modes) == 2, f"schedules ran in one mode only (code generated: {dict(modes)})"

@@ -74,9 +74,10 @@ def test_a_small_hour_into_a_small_mirror_runs_interpreted_a_larger_one_compiled
         compiled.append(compiled_classes(spark) - before)
         assert result.counts.applied == 5, (hour, result.counts)
         assert spark.conf.get(setting, None) is None, "the hour left its setting on the session"
-    # Hour 2's mirror is larger than its 1-byte limit: its queries compile what they need (at
-    # least the classes inlining its own key bounds). The first hours may compile a class or two
-    # that has no interpreted form (read from the cache ever after).
+    # Hour 2's mirror is larger than its 1-byte limit: its queries compile what they need (none
+    # of it cached yet by the hours before; later hours would still compile the classes that
+    # inline their own values, such as the hour's ingestion time). The first hours may compile
+    # a class or two that has no interpreted form (read from the cache ever after).
     assert compiled[3] == 0 and compiled[2] > 0, compiled
     stored = spark.read.format("delta").load(lake.table_path(spec.name)).collect()
     assert {r["id"]: r["balance"] for r in stored} == {n: 300 + n for n in range(1, 6)}
