@@ -27,12 +27,9 @@ PARTITIONS = 2
 AT_MOST = 45
 
 
-def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_ones(
-    broker, kafka, spark, create_topic, lake
-):
-    # The suite's session is SparkResource's (tests/conftest.py), with the resource's cache.
-    assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
-    spec = table.spec(create_topic("session-codegen", partitions=PARTITIONS))
+def _four_hours(broker, kafka, spark, lake, spec):
+    """Four closed hours of 5 accounts each (created, then updated to `100 * hour + id`) sent to
+    `spec`'s topic; returns `table.runner`'s run(hour, **options) for them."""
     changes = [
         table.change("c" if hour == 0 else "u", row_id, 100 * hour + row_id, hour=hour, second=1)
         for hour in range(4)
@@ -40,7 +37,16 @@ def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_o
     ]
     table.send_all(broker, spec.topic, changes)
     table.close_hours(broker, spec.topic, PARTITIONS, after_hour=3)
-    run = table.runner(spark, kafka, lake, spec)
+    return table.runner(spark, kafka, lake, spec)
+
+
+def test_a_later_table_hour_reuses_the_classes_spark_generated_for_the_earlier_ones(
+    broker, kafka, spark, create_topic, lake
+):
+    # The suite's session is SparkResource's (tests/conftest.py), with the resource's cache.
+    assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
+    spec = table.spec(create_topic("session-codegen", partitions=PARTITIONS))
+    run = _four_hours(broker, kafka, spark, lake, spec)
 
     compiled = []
     for hour in range(4):
@@ -57,14 +63,7 @@ def test_a_small_hour_into_a_small_mirror_runs_interpreted_a_larger_one_compiled
     broker, kafka, spark, create_topic, lake
 ):
     spec = table.spec(create_topic("session-interpreted", partitions=PARTITIONS))
-    changes = [
-        table.change("c" if hour == 0 else "u", row_id, 100 * hour + row_id, hour=hour, second=1)
-        for hour in range(4)
-        for row_id in range(1, 6)
-    ]
-    table.send_all(broker, spec.topic, changes)
-    table.close_hours(broker, spec.topic, PARTITIONS, after_hour=3)
-    run = table.runner(spark, kafka, lake, spec)
+    run = _four_hours(broker, kafka, spark, lake, spec)
     compiled, setting = [], "spark.sql.codegen.factoryMode"
     # The default: the mirror (a few KB) is far under 1 MiB, so no hour generates a class.
     for hour, max_bytes in ((0, None), (1, None), (2, 1), (3, None)):
