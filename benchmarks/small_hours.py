@@ -63,7 +63,7 @@ from devtools import kafka_broker
 from devtools.processes import port_free
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
-from resources.spark import SparkResource, compiled_classes
+from resources.spark import INTERPRETED_MAX_BYTES, SparkResource, compiled_classes
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--interpreted-max-bytes",
         type=int,
-        default=SparkResource().interpreted_max_bytes,
+        default=INTERPRETED_MAX_BYTES,
         help="run_hour's setting: mirrors smaller than this run interpreted (0: never)",
     )
     parser.add_argument("--work", default=str(REPO / ".local" / "bench" / "small-hours"))

@@ -84,14 +84,12 @@ from cdc_assets.slicing import (
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource, LakeWriteError, storage_failure
 from resources.masking import HmacKey
-from resources.spark import session_settings
+from resources.spark import INTERPRETED_MAX_BYTES, session_settings
 
 log = logging.getLogger(__name__)
 
 # Slices up to this many records are read and decoded in the driver (see `run_hour`).
 DEFAULT_LOCAL_READ_MAX_RECORDS = 20_000
-# Such an hour into tables smaller than this runs Spark's expressions interpreted (`run_hour`).
-DEFAULT_INTERPRETED_MAX_BYTES = 1024 * 1024
 
 
 def run_hour(
@@ -106,7 +104,7 @@ def run_hour(
     force_open_hour: bool = False,
     masking_key: HmacKey | None = None,
     local_read_max_records: int = DEFAULT_LOCAL_READ_MAX_RECORDS,
-    interpreted_max_bytes: int = DEFAULT_INTERPRETED_MAX_BYTES,
+    interpreted_max_bytes: int = INTERPRETED_MAX_BYTES,
 ) -> HourResult:
     """Materializes one hour of `spec` into its Delta mirror and returns what happened.
 
@@ -118,9 +116,9 @@ def run_hour(
     one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
     same decoder, so they give the same rows.
 
-    Such an hour, when its mirror (and history) hold fewer than `interpreted_max_bytes` bytes,
-    has Spark evaluate its expressions without generating code for them (`sized_shuffles`);
-    0 never does.
+    Such an hour, when its mirror, error table and history each hold fewer than
+    `interpreted_max_bytes` bytes, has Spark evaluate its expressions without generating code
+    for them (`interpreted_tables`); 0 never does.
     """
     lake.connect(spark)
     path = lake.table_path(spec.name)
@@ -667,13 +665,9 @@ def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool
         return False
     spec, lake = ctx.spec, ctx.lake
     others = [spec.error_table_name, *([history_name(spec)] if spec.history else [])]
-    paths = [ctx.path, *(lake.table_path(name) for name in others)]
-    for path in paths:
-        ledger = ctx.ledger if path == ctx.path else delta_log(path, lake.s3_client())
-        size = None if ledger is None else ledger.size_bytes(absent=0)
-        if size is None or size >= max_bytes:
-            return False
-    return True
+    ledgers = [ctx.ledger, *(delta_log(lake.table_path(name), lake.s3_client()) for name in others)]
+    sizes = (None if ledger is None else ledger.size_bytes(absent=0) for ledger in ledgers)
+    return all(size is not None and size < max_bytes for size in sizes)
 
 
 def _after_truncates(

@@ -134,6 +134,11 @@ def log_store_jar(jars_dir: Path) -> str | None:
     return str(jars[-1]) if jars else None
 
 
+# SparkResource.interpreted_max_bytes' default (run_hour's too): where interpreting a small hour
+# stops paying (docs/benchmark.md, "Small hours run interpreted").
+INTERPRETED_MAX_BYTES = 1024 * 1024
+
+
 class SparkResource(dg.ConfigurableResource):
     """Builds the SparkSession through dagster-pyspark, with Delta and the Kafka source set up."""
 
@@ -212,7 +217,7 @@ class SparkResource(dg.ConfigurableResource):
         ),
     )
     interpreted_max_bytes: int = Field(
-        default=1024 * 1024,
+        default=INTERPRETED_MAX_BYTES,
         ge=0,
         description=(
             "An hour read in the driver (local_read_max_records) into a mirror, error table "
