@@ -569,7 +569,9 @@ def _with_variants(case: dict, saved: dict | None, started_at: str) -> dict:
         return case
     ran = {row["variant"] for row in case["runs"]}
     runs = {row["variant"]: row for row in saved["runs"] if row["variant"] not in ran}
-    runs.update({row["variant"]: {**row, "measured_at": started_at} for row in case["runs"]})
+    # Marked only beside rows of another run (none kept: the case is this run's alone).
+    mark = {"measured_at": started_at} if runs else {}
+    runs.update({row["variant"]: {**row, **mark} for row in case["runs"]})
     variants = [
         *saved.get("variants", []),
         *(v for v in case["variants"] if v not in saved.get("variants", [])),
