@@ -144,13 +144,9 @@ PARSE_ONLY_MODULES = {
     "demo.screenshots",
     "devtools.postgres",
     "devtools.spark_cluster",
-    "benchmarks.run",
-    "benchmarks.auto_cdc",
-    "benchmarks.deletion_vectors",
-    "benchmarks.small_hours",
-    "benchmarks.decode_stage",
-    "benchmarks.fleet",
 }
+# Every benchmark runs for minutes: `python -m benchmarks.*` is checked by its parser too.
+PARSE_ONLY_PACKAGES = ("benchmarks.",)
 RUN_MODULES = {"checks.report", "tests.faults.report", "demo.hours"}
 RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
 SERVICES = {"dagster-webserver", "dagster-daemon"}
@@ -179,7 +175,7 @@ def rule(command: Command) -> str:
     if module := _module(command):
         if module[0] in RUN_MODULES:
             return "run"
-        if module[0] in PARSE_ONLY_MODULES:
+        if module[0] in PARSE_ONLY_MODULES or module[0].startswith(PARSE_ONLY_PACKAGES):
             return "parse"
         return "unknown"
     if first in ("dagster", ".venv/bin/dagster"):
