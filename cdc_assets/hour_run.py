@@ -665,8 +665,10 @@ def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool
         return False
     spec, lake = ctx.spec, ctx.lake
     others = [spec.error_table_name, *([history_name(spec)] if spec.history else [])]
-    ledgers = [ctx.ledger, *(delta_log(lake.table_path(name), lake.s3_client()) for name in others)]
-    sizes = (None if ledger is None else ledger.size_bytes(absent=0) for ledger in ledgers)
+    logs = [delta_log(lake.table_path(name), lake.s3_client()) for name in others]
+    # The mirror's log as `HourContext.start` listed it: only this run writes the mirror.
+    mirror = None if ctx.ledger is None else ctx.ledger.size_bytes(absent=0, relist=False)
+    sizes = [mirror, *(None if log is None else log.size_bytes(absent=0) for log in logs)]
     return all(size is not None and size < max_bytes for size in sizes)
 
 

@@ -56,7 +56,11 @@ class DeltaLog:
     def versions(self) -> list[int]:
         """The versions whose commit files exist, oldest first (listed again on each call)."""
         self._stamps = self._list()
-        return sorted(int(m[1]) for name in self._stamps if (m := _COMMIT_FILE.match(name)))
+        return self._listed()
+
+    def _listed(self) -> list[int]:
+        """The versions of the last listing, oldest first."""
+        return sorted(int(m[1]) for name in self._stamps or () if (m := _COMMIT_FILE.match(name)))
 
     def exists(self) -> bool:
         return bool(self.versions())
@@ -97,12 +101,14 @@ class DeltaLog:
         ]
         return (commits[0].version if commits else None), history
 
-    def size_bytes(self, *, absent: int | None = None) -> int | None:
+    def size_bytes(self, *, absent: int | None = None, relist: bool = True) -> int | None:
         """The table's data files' bytes at its latest version, from the checksum file Delta
         writes beside each commit (`<version>.crc`, `tableSizeBytes`); None where that version
         has none (a writer that writes no checksum, or one that stopped before it); `absent`
-        where the table has no commit yet."""
-        versions = self.versions()
+        where the table has no commit yet. `relist=False` takes the latest version from this
+        instance's last listing, where the caller knows nothing has committed since (on S3, a
+        LIST less)."""
+        versions = self.versions() if relist or self._stamps is None else self._listed()
         if not versions:
             return absent
         name = f"{versions[-1]:020d}.crc"

@@ -79,6 +79,10 @@ def test_the_ledger_equals_delta_history_and_a_remade_table_is_read_again(
         spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc.ledger' = 'x')")
     fresh = DeltaLog(path)
     assert fresh.hour_history() == spark_hour_history(spark, path)
+    # relist=False: the size as of this instance's last listing, a later commit not seen.
+    listed = fresh.size_bytes(relist=False)
+    spark.range(5).toDF("id").write.format("delta").mode("append").save(path)
+    assert fresh.size_bytes(relist=False) == listed < fresh.size_bytes()
     # A version without its checksum file (a writer that writes none): the size is not known.
     version = fresh.latest_version()
     Path(path, "_delta_log", f"{version:020d}.crc").unlink()
