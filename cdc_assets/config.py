@@ -451,6 +451,24 @@ class TableSpec(BaseModel):
             "docs/reading.md, 'History'."
         ),
     )
+    history_columns: tuple[str, ...] | None = Field(
+        default=None,
+        description=(
+            "With history: true, the columns whose changes open a version (as Spark's AUTO "
+            "CDC track_history_column_list): a change that alters none of them updates the "
+            "version in force in place. Columns added later are not tracked. Unset: every "
+            "column is. Fixed when the history is created (docs/reading.md, 'History')."
+        ),
+    )
+    history_except_columns: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "With history: true, the columns whose changes alone open no version (as AUTO "
+            "CDC's track_history_except_column_list): a change that alters only these, say a "
+            "last_seen time, updates the version in force in place. Fixed when the history is "
+            "created (docs/reading.md, 'History')."
+        ),
+    )
     accept_data_loss: bool = Field(
         default=False,
         description="Run hours whose offsets retention already deleted, reporting the loss.",
@@ -497,7 +515,12 @@ class TableSpec(BaseModel):
     def _name(cls, value: str) -> str:
         if not _IDENT.match(value):
             raise ValueError(f"'{value}' must be an identifier (letters, digits, underscores)")
-        for suffix, names in (("__errors", "error tables"), ("__history", "history tables")):
+        suffixes = (
+            ("__errors", "error tables"),
+            ("__history", "history tables"),
+            ("__history_changes", "tracked histories' changes"),
+        )
+        for suffix, names in suffixes:
             if value.endswith(suffix):
                 raise ValueError(f"'{value}' ends in '{suffix}', which names {names}")
         return value
@@ -677,6 +700,29 @@ class TableSpec(BaseModel):
                     f"toasted column '{column}' is dropped (sensitive), so it has no value to "
                     "keep; remove it from toasted_columns, or hash it"
                 )
+        tracking = {
+            "history_columns": self.history_columns or (),
+            "history_except_columns": self.history_except_columns,
+        }
+        for setting, listed in tracking.items():
+            if listed and not self.history:
+                problems.append(f"{setting} is set, but history is off; set history: true")
+            for column in listed:
+                if column not in self.columns or column in self.primary_key:
+                    problems.append(
+                        f"{setting} names '{column}', which is not a non-key column listed "
+                        "under columns"
+                    )
+                elif self.sensitive.get(column) == "drop":
+                    problems.append(
+                        f"{setting} names '{column}', which is dropped (sensitive) and never "
+                        "stored; remove it from the list"
+                    )
+        if self.history_columns is not None and self.history_except_columns:
+            problems.append(
+                "history_columns and history_except_columns are both set; keep one (the "
+                "columns tracked, or the ones left out)"
+            )
         if self.history and self.on_truncate == "apply":
             problems.append(
                 "history: true with on_truncate: apply is not supported yet (a truncate would "

@@ -259,49 +259,71 @@ def _write_once(
             .crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
             .first()
         )  # one Spark action for the three
-        identity = F.expr(
-            " AND ".join(
-                [f"t.`{k}` <=> s.`{k}`" for k in keys]
-                + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
-            )
-        )
-        identity = within_key_range(identity, key_range)  # file skipping, as the mirror's
         source = derived.select(*columns)
-        merge = table.alias("t").merge(source.alias("s"), identity)
+        merge = table.alias("t").merge(source.alias("s"), same_version(keys, fields, key_range))
         if evolving:
             merge = merge.withSchemaEvolution()
-        # What a run may change in a stored version; a column the history gains in this MERGE
-        # is null in every stored row until then.
-        changed = " OR ".join(
-            f"NOT (t.`{c}` <=> s.`{c}`)" if c.lower() in stored_names else f"s.`{c}` IS NOT NULL"
-            for c in [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)]
-        )
+        # What a run may change in a stored version.
+        changed = changed_columns([SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)])
         merge = merge.whenMatchedUpdate(
-            condition=changed, set={c: F.col(f"s.`{c}`") for c in columns}
+            condition=changed(stored_names), set={c: F.col(f"s.`{c}`") for c in columns}
         ).whenNotMatchedInsert(values={c: F.col(f"s.`{c}`") for c in columns})
-        ledger = delta_log(path, s3_client)
-        spark.conf.set(
-            MERGE_PERSISTENT_DVS,
-            str(persistent_deletion_vectors(spec, ledger.size_bytes())).lower(),
-        )
-        with commit_metadata(spark, run_metadata):
-            metrics = merge.execute().first()
-            if not metrics["num_affected_rows"]:
-                ledger_commit(spark, path)  # nothing new: the run is on record all the same
-                return HistoryOutcome(
-                    int(counted["versions"]), int(counted["known"]), 0, 0, 0, None
-                )
-        mine = ledger.run_commit(run_metadata, "MERGE")
+        metrics, version = execute_recorded(spark, spec, path, merge, run_metadata, s3_client)
         return HistoryOutcome(
             versions=int(counted["versions"]),
             known=int(counted["known"]),
-            opened=int(metrics["num_inserted_rows"]),
-            closed=int(counted["closed"]),
-            rewritten=int(metrics["num_updated_rows"]),
-            version=None if mine is None else mine.version,
+            opened=int(metrics.get("num_inserted_rows", 0)),
+            closed=int(counted["closed"]) if metrics else 0,
+            rewritten=int(metrics.get("num_updated_rows", 0)),
+            version=version,
         )
     finally:
         derived.unpersist()
+
+
+def same_version(keys: list[str], fields: list[str], key_range: Mapping[str, tuple]) -> Column:
+    """A history MERGE's condition: the same key and source sequence (`fields`), narrowed to
+    the hour's key range so Delta skips the files outside it, as the mirror's MERGE does."""
+    same = F.expr(
+        " AND ".join(
+            [f"t.`{k}` <=> s.`{k}`" for k in keys]
+            + [f"t.`{SEQUENCE}`.`{f}` <=> s.`{SEQUENCE}`.`{f}`" for f in fields]
+        )
+    )
+    return within_key_range(same, key_range)
+
+
+def changed_columns(columns: list[str]):
+    """A MERGE condition for a stored version whose `columns` differ from the source's, given
+    the stored table's column names: a column the table gains in this MERGE is null in every
+    stored row until then."""
+
+    def changed(stored_names: set[str]) -> str:
+        return " OR ".join(
+            f"NOT (t.`{c}` <=> s.`{c}`)" if c.lower() in stored_names else f"s.`{c}` IS NOT NULL"
+            for c in columns
+        )
+
+    return changed
+
+
+def execute_recorded(
+    spark: SparkSession, spec: TableSpec, path: str, merge, run_metadata: dict, s3_client
+) -> tuple[dict[str, int], int | None]:
+    """Executes a history MERGE (deletion vectors as the table's size says) in a commit that
+    carries `run_metadata`; one that changes nothing is replaced by a metadata-only commit, so
+    the run is on record all the same. Returns Delta's metrics ({} for none) and the MERGE's
+    commit version."""
+    ledger = delta_log(path, s3_client)
+    size = ledger.size_bytes() if ledger is not None else None
+    spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
+    with commit_metadata(spark, run_metadata):
+        metrics = merge.execute().first().asDict()
+        if not metrics["num_affected_rows"]:
+            ledger_commit(spark, path)
+            return {}, None
+    mine = None if ledger is None else ledger.run_commit(run_metadata, "MERGE")
+    return metrics, None if mine is None else mine.version
 
 
 def _filled(spec: TableSpec) -> list[str]:
@@ -325,17 +347,23 @@ def _schema(spec: TableSpec, new: DataFrame, columns: list[str]) -> T.StructType
 
 
 def create_history_table(
-    spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec
+    spark: SparkSession,
+    path: str,
+    schema: T.StructType,
+    spec: TableSpec,
+    properties: Mapping[str, str] | None = None,
 ) -> DeltaTable:
-    """The history at `path`, created with `schema` and the table's deletion-vector setting if
-    it is new."""
-    return (
+    """The history at `path`, created with `schema`, the table's deletion-vector setting and
+    `properties` if it is new."""
+    builder = (
         DeltaTable.createIfNotExists(spark)
         .location(path)
         .addColumns(schema)
         .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
-        .execute()
     )
+    for name, value in (properties or {}).items():
+        builder = builder.property(name, value)
+    return builder.execute()
 
 
 def _mirror_rows(

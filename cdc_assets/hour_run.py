@@ -67,6 +67,13 @@ from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
 from cdc_assets.history import audit_history, data_columns, history_name, write_history
+from cdc_assets.history_tracking import (
+    changes_name,
+    check_tracking,
+    fold_history,
+    history_tables,
+    per_change_name,
+)
 from cdc_assets.hours import hour_start, previous_key
 from cdc_assets.ledger import DeltaLog
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
@@ -187,12 +194,23 @@ def plan(
 def stored_mirror(ctx: HourContext) -> T.StructType | None:
     """The mirror's schema as stored (None before its first run), refused before anything is
     read when it (or the table's history) holds raw values of a column the table now masks
-    (`check_stored_mirror`)."""
+    (`check_stored_mirror`), or when its history was built with other tracked columns
+    (`check_tracking`)."""
     stored_schema = mirror_schema(ctx.spark, ctx.path)
     check_stored_mirror(stored_schema, ctx.path, ctx.spec)
-    if ctx.spec.history and ctx.spec.sensitive:  # the history keeps every value: the same rule
-        path = ctx.lake.table_path(history_name(ctx.spec))
-        check_stored_mirror(mirror_schema(ctx.spark, path), path, ctx.spec, "history")
+    spec, lake = ctx.spec, ctx.lake
+    if spec.history:
+        check_tracking(
+            ctx.spark,
+            spec,
+            lake.table_path(history_name(spec)),
+            lake.table_path(changes_name(spec)),
+            lake.s3_client(),
+        )
+    if spec.sensitive:  # a history keeps every value: the same rule
+        for name in history_tables(spec):
+            path = lake.table_path(name)
+            check_stored_mirror(mirror_schema(ctx.spark, path), path, spec, "history")
     return stored_schema
 
 
@@ -313,23 +331,39 @@ def apply(
 def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryRun | None:
     """A table with `history: true`: every applied change of the hour becomes a version in
     `<table>__history`, in a commit of its own after the mirror's, carrying the same record (a
-    crash between the two is repaired by running the hour again); then the stored versions of
-    the hour's keys are judged against themselves and the mirror (`cdc_assets.history`)."""
+    crash between the two is repaired by running the hour again); with tracked columns in
+    `<table>__history_changes`, then folded into `<table>__history` in a third commit
+    (`cdc_assets.history_tracking`). Then the stored versions of the hour's keys in the history
+    readers query are judged against themselves and the mirror (`cdc_assets.history`)."""
     if not ctx.spec.history:
         return None
-    spec, path = applied.spec, ctx.lake.table_path(history_name(ctx.spec))
+    spec, lake = applied.spec, ctx.lake
+    path, per_change = lake.table_path(history_name(spec)), lake.table_path(per_change_name(spec))
     bounds = key_range(spec, applied.tally)
     outcome = write_history(
         ctx.spark,
         spec,
-        path,
+        per_change,
         applied.changes,
         ingested_at=hour.ingested_at,
         run_metadata=applied.commit,
         key_range=bounds,
         defaults=applied.defaults,
-        s3_client=ctx.lake.s3_client(),
+        s3_client=lake.s3_client(),
     )
+    folded = None
+    if per_change != path:
+        folded = fold_history(
+            ctx.spark,
+            spec,
+            path,
+            per_change,
+            applied.changes,
+            run_metadata=applied.commit,
+            key_range=bounds,
+            defaults=applied.defaults,
+            s3_client=lake.s3_client(),
+        )
     audit = audit_history(
         ctx.spark,
         spec,
@@ -339,7 +373,7 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         data_columns(spec, applied.changes),
         bounds,
     )
-    return HistoryRun(outcome, audit)
+    return HistoryRun(outcome, audit, folded)
 
 
 def validate(ctx: HourContext, applied: Applied) -> tuple[object, ...]:
@@ -664,7 +698,7 @@ def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool
     if not hour.local or max_bytes <= 0:
         return False
     spec, lake = ctx.spec, ctx.lake
-    others = [spec.error_table_name, *([history_name(spec)] if spec.history else [])]
+    others = [spec.error_table_name, *history_tables(spec)]
     logs = [delta_log(lake.table_path(name), lake.s3_client()) for name in others]
     # The mirror's log as `HourContext.start` listed it: only this run writes the mirror.
     mirror = None if ctx.ledger is None else ctx.ledger.size_bytes(absent=0, relist=False)

@@ -33,6 +33,7 @@ from pyspark.sql import Row, SparkSession
 
 from cdc_assets.config import TableSpec
 from cdc_assets.history import history_name
+from cdc_assets.history_tracking import history_tables
 from cdc_assets.partitions import mirrors_pool
 from resources.lake import LakeResource
 from resources.spark import SparkResource, session_settings
@@ -258,9 +259,9 @@ def _targets(spec: TableSpec, lake: LakeResource) -> list[_Target]:
             "error_table_",
         ),
     ]
-    if spec.history:
-        name = history_name(spec)
-        targets.append(_Target(name, lake.table_path(name), spec.primary_key, "history_"))
+    for name in history_tables(spec):
+        prefix = "history_" if name == history_name(spec) else "history_changes_"
+        targets.append(_Target(name, lake.table_path(name), spec.primary_key, prefix))
     return targets
 
 
@@ -299,7 +300,7 @@ def build_maintenance_asset(spec: TableSpec) -> dg.AssetsDefinition:
         description=(
             f"Compacts the Delta files of `{spec.name}` (OPTIMIZE, Z-ordered by {keys}) and of "
             f"`{spec.error_table_name}`"
-            + (f" and `{history_name(spec)}`" if spec.history else "")
+            + "".join(f" and `{name}`" for name in history_tables(spec))
             + ", then vacuums the files no version within the table's "
             "retention needs. Runs in the table's pool, never beside its MERGE; daily through "
             f"the `{MAINTENANCE_SCHEDULE}` schedule once it is turned on."

@@ -64,8 +64,17 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
         outcome = result.history.outcome
         metadata["history_versions_opened"] = dg.MetadataValue.int(outcome.opened)
         metadata["history_versions_closed"] = dg.MetadataValue.int(outcome.closed)
-        if outcome.version is not None:
-            metadata["history_delta_version"] = dg.MetadataValue.int(outcome.version)
+        versions = {"history_delta_version": outcome.version}
+        folded = result.history.folded
+        if folded is not None:  # tracked columns: the versions above are the changes' table's
+            metadata["history_tracked_versions_inserted"] = dg.MetadataValue.int(folded.inserted)
+            versions = {
+                "history_changes_delta_version": outcome.version,
+                "history_delta_version": folded.version,
+            }
+        for name, version in versions.items():
+            if version is not None:
+                metadata[name] = dg.MetadataValue.int(version)
     if result.lag_seconds is not None:
         metadata["lag_seconds"] = dg.MetadataValue.float(round(result.lag_seconds, 3))
         metadata["newest_source_ts"] = dg.MetadataValue.timestamp(result.newest_source_ts)

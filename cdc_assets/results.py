@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from cdc_assets.checking import AuditVerdict
     from cdc_assets.decoding.tally import Tally
     from cdc_assets.history import HistoryAudit, HistoryOutcome
+    from cdc_assets.history_tracking import FoldOutcome
     from cdc_assets.merge import MergeOutcome
     from cdc_assets.read import OffsetCensus
     from cdc_assets.slicing import HourSlice
@@ -88,10 +89,13 @@ class HourCounts:
 
 @dataclass(frozen=True)
 class HistoryRun:
-    """A table-hour's history stage: what it wrote and what the written history looks like."""
+    """A table-hour's history stage: what it wrote (a version per change; with tracked columns
+    into `<table>__history_changes`, then `folded` into `<table>__history`) and what the
+    history readers query looks like."""
 
     outcome: HistoryOutcome
     audit: HistoryAudit
+    folded: FoldOutcome | None = None
 
 
 @dataclass(frozen=True)

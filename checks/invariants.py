@@ -409,7 +409,8 @@ def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResu
     (each inserted by the MERGE, Delta's count, or stored already, counted on the batch), and
     the stored versions of the hour's keys read back after the commit: one current version per
     key, each version ending where the key's next one starts, the current live versions equal
-    to the mirror's live rows."""
+    to the mirror's live rows. With tracked columns the versions counted are the changes'
+    (`<table>__history_changes`) and the versions judged the folded ones readers query."""
     run = result.history
     if run is None:
         return _verdict(HISTORY, policy, [], {"versions": 0}, note="No change in this hour.")
@@ -434,8 +435,21 @@ def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResu
         "current_versions_with_unknown_toasted_values": audit.unknown,
         "keys_revived_in_mirror_by_hard_delete_order": audit.revived_by_hard_delete_order,
     }
-    if outcome.version is not None:
-        metadata["history_version"] = outcome.version
+    folded = run.folded
+    if folded is None:
+        if outcome.version is not None:
+            metadata["history_version"] = outcome.version
+    else:  # tracked columns: the changes' table, then the versions folded from it
+        metadata |= {
+            "tracked_versions_of_keys": folded.versions,
+            "tracked_versions_inserted": folded.inserted,
+            "tracked_versions_updated": folded.updated,
+            "tracked_versions_joined": folded.deleted,
+        }
+        if outcome.version is not None:
+            metadata["history_changes_version"] = outcome.version
+        if folded.version is not None:
+            metadata["history_version"] = folded.version
     return _verdict(HISTORY, policy, problems, metadata)
 
 

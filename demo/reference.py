@@ -203,6 +203,49 @@ def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]
     return out
 
 
+def tracked_history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]]:
+    """`history` folded by the table's tracked columns (`history_columns`, or every non-key
+    column but `history_except_columns`): what `<table>__history` holds when some are set.
+
+    A key's first change, a delete, the change after a delete, and a change whose tracked
+    values differ from the change before it open a version; any other change updates the
+    version in force in place. A version keeps its first change's `_cdc_op`, `_cdc_deleted`,
+    `_cdc_sequence` and `_cdc_valid_from`, takes its last change's values (and TOASTed
+    columns' unknown flags), and ends where the key's next version starts.
+    """
+    out: dict[tuple, list[Row]] = {}
+    for key, changes in history(spec, records).items():
+        data = [c for c in changes[0] if not c.startswith("_cdc_")]
+        if spec.history_columns is not None:
+            tracked = [c for c in data if c in spec.history_columns]
+        else:
+            keys = set(spec.primary_key)
+            tracked = [c for c in data if c not in keys and c not in spec.history_except_columns]
+        versions: list[Row] = []
+        for n, change in enumerate(changes):
+            before = changes[n - 1] if n else None
+            if (
+                before is None
+                or change["_cdc_deleted"]
+                or before["_cdc_deleted"]
+                or any(change[c] != before[c] for c in tracked)
+            ):
+                versions.append(dict(change))
+                continue
+            versions[-1].update(
+                {c: v for c, v in change.items() if c in data or c.startswith("_cdc_unknown__")}
+            )
+        for n, version in enumerate(versions):
+            following = versions[n + 1] if n + 1 < len(versions) else None
+            version.update(
+                _cdc_end_sequence=None if following is None else following["_cdc_sequence"],
+                _cdc_valid_to=None if following is None else following["_cdc_valid_from"],
+                _cdc_current=following is None,
+            )
+        out[key] = versions
+    return out
+
+
 def _source_time(value: bytes) -> datetime | None:
     """A record's `source.ts_ms` as a UTC datetime (None when absent)."""
     document, _ = _document(value)

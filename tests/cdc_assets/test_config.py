@@ -116,6 +116,22 @@ def test_shipped_tables_file_loads():
             {"history": True, "on_truncate": "apply"},
             "history: true with on_truncate: apply is not supported yet",
         ),
+        (
+            {"history_except_columns": ["email"]},
+            "history_except_columns is set, but history is off; set history: true",
+        ),
+        (
+            {"history": True, "history_columns": ["id"]},
+            "history_columns names 'id', which is not a non-key column listed under columns",
+        ),
+        (
+            {"history": True, "history_columns": ["email"], "history_except_columns": ["email"]},
+            "history_columns and history_except_columns are both set",
+        ),
+        (
+            {"name": "customers__history_changes"},
+            "ends in '__history_changes', which names tracked histories' changes",
+        ),
     ],
 )
 def test_each_bad_setting_is_named(overrides, expected):

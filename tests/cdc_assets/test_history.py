@@ -10,6 +10,7 @@ and the history's, and TOASTed values through the pipeline, are tests/faults/tes
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -35,6 +36,8 @@ from cdc_assets.history import (
     audit_history,
     write_history,
 )
+from cdc_assets.history_tracking import check_tracking, fold_history
+from cdc_assets.merge import MirrorSettingError
 from tests.support import accounts_spec
 
 pytestmark = pytest.mark.integration
@@ -234,3 +237,87 @@ def test_a_row_a_hard_delete_order_put_back_is_reported_not_failed(spark, tmp_pa
     revived.select("id", "name", "balance", SEQUENCE, DELETED).write.format("delta").save(mirror)
     audit = audit_history(spark, spec, path, mirror, _frame(spark, changes), ["id", "name"])
     assert (audit.revived_by_hard_delete_order, audit.problems) == (1, [])
+
+
+def test_tracked_columns_fold_changes_and_late_ones_split_or_join_versions(spark, tmp_path):
+    spec = _spec(history_except_columns=("balance",))
+    path, changes_path = str(tmp_path / "accounts__history"), str(tmp_path / "changes")
+
+    def run(changes, n):
+        _write(spark, spec, changes_path, changes, run=n)
+        return fold_history(
+            spark,
+            spec,
+            path,
+            changes_path,
+            _frame(spark, changes),
+            run_metadata={"hour": "2026-11-04-08:00", "run": n, "slice": {}},
+        )
+
+    def versions():
+        rows = spark.read.format("delta").load(path).orderBy(SEQUENCE).collect()
+        return [
+            (
+                r[SEQUENCE]["source_lsn"],
+                None if r[END_SEQUENCE] is None else r[END_SEQUENCE]["source_lsn"],
+                r[OP],
+                r["name"],
+                r["balance"],
+            )
+            for r in rows
+        ]
+
+    # The balance alone changed at 30: the version opened at 10 holds it in place.
+    first = run([_change("c", 1, 10, name="a"), _change("u", 1, 30, name="a")], 1)
+    assert versions() == [(10, None, "c", "a", 30)]
+    assert (first.inserted, first.updated, first.deleted) == (1, 0, 0)
+    run([_change("u", 1, 50, name="b")], 2)
+    assert versions() == [(10, 50, "c", "a", 30), (50, None, "u", "b", 50)]
+
+    # A late rename at 20 splits the version: 30 differs from it, so opens one of its own.
+    split = run([_change("u", 1, 20, name="x")], 3)
+    assert versions() == [
+        (10, 20, "c", "a", 10),
+        (20, 30, "u", "x", 20),
+        (30, 50, "u", "a", 30),
+        (50, None, "u", "b", 50),
+    ]
+    assert (split.inserted, split.updated, split.deleted) == (2, 1, 0)
+
+    # A late rename to b at 40: the change at 50 (name b too) joins its version.
+    joined = run([_change("u", 1, 40, name="b")], 4)
+    assert versions() == [
+        (10, 20, "c", "a", 10),
+        (20, 30, "u", "x", 20),
+        (30, 40, "u", "a", 30),
+        (40, None, "u", "b", 50),
+    ]
+    assert (joined.inserted, joined.deleted) == (1, 1)
+
+    # Every change again: nothing to write, the run recorded in a metadata-only commit.
+    replay = [_change("c", 1, 10, name="a"), _change("u", 1, 20, name="x")]
+    replay += [_change("u", 1, n, name=name) for n, name in ((30, "a"), (40, "b"), (50, "b"))]
+    again = run(replay, 5)
+    assert (again.inserted, again.updated, again.deleted, again.version) == (0, 0, 0, None)
+
+    # The audit judges the folded versions: the current one holds the newest values.
+    mirror = str(tmp_path / "accounts")
+    row = [(1, "b", 50, False, (50, 0, 50))]
+    spark.createDataFrame(row, f"id bigint, name string, balance bigint, {DELETED} boolean, "
+                          f"{SEQUENCE} struct<source_lsn:bigint,kafka_partition:int,"
+                          "kafka_offset:bigint>").write.format("delta").save(mirror)  # fmt: skip
+    audit = audit_history(
+        spark, spec, path, mirror, _frame(spark, replay), ["id", "name", "balance"]
+    )
+    assert audit.problems == [] and audit.keys == 1
+
+    # Another setting than the history was built with is refused before anything is read,
+    # and so is a tracked history without its changes' table.
+    built = r"built with history_except_columns: \[balance\]"
+    for changed, fix in ((_spec(history_except_columns=("name",)), "rebuild"), (_spec(), "rename")):
+        with pytest.raises(MirrorSettingError, match=f"{built}.*{fix}"):
+            check_tracking(spark, changed, path, changes_path)
+    check_tracking(spark, spec, path, changes_path)
+    shutil.move(changes_path, str(tmp_path / "elsewhere"))
+    with pytest.raises(MirrorSettingError, match="changes' table .* is missing"):
+        check_tracking(spark, spec, path, changes_path)

@@ -18,7 +18,7 @@ from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
 from demo.reference import history as history_reference
-from demo.reference import replay
+from demo.reference import replay, tracked_history
 from tests.support import accounts_spec, read_records
 
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
@@ -232,16 +232,20 @@ def runner(spark, kafka, lake, spec_: TableSpec):
     return run
 
 
-def history_differences(spark, path: str, spec_: TableSpec, records: Sequence[tuple]) -> list[str]:
+def history_differences(
+    spark, path: str, spec_: TableSpec, records: Sequence[tuple], *, folded: bool = False
+) -> list[str]:
     """`<table>__history` at `path` against `demo.reference.history` of `records` (as
     `read_records(..., headers=True)` returns them), version by version: each key's versions in
     sequence order with their values, op, start and end in sequence and source time, currency
     (and TOASTed values' unknown flags). Kafka coordinates are left out (a change delivered
-    twice is one version, kept with whichever coordinates). Returns what differs, [] when
-    nothing does."""
+    twice is one version, kept with whichever coordinates). `folded`: against
+    `demo.reference.tracked_history` (a table with tracked columns). Returns what differs, []
+    when nothing does."""
     from cdc_assets.history import source_fields  # tests: imported where used
 
-    expected = history_reference(spec_, [(p, o, v, k, h) for p, o, v, k, _, h in records])
+    reference = tracked_history if folded else history_reference
+    expected = reference(spec_, [(p, o, v, k, h) for p, o, v, k, _, h in records])
     frame = spark.read.format("delta").load(path)
     fields = source_fields(frame.schema["_cdc_sequence"].dataType)
 

@@ -14,7 +14,9 @@ that replay does not depend on the order hours run in, and I3 says the mirror mu
 Every table-hour's accounting check (I2) must pass too, refreshes included. The first mirror
 keeps its history (`history: true`): its `__history` table must equal `demo.reference.history`
 of the same records version by version, and its `history` check pass on every table-hour.
-Hypothesis also draws whether a schedule's small hours run interpreted (the default for mirrors
+Hypothesis also draws how that history tracks columns (`TRACKING`): with the balance left
+out, `__history` must equal `demo.reference.tracked_history` and `__history_changes` the
+per-change reference. And whether a schedule's small hours run interpreted (the default for mirrors
 this small, `interpreted_max_bytes`) or generate code (the large tables' way); both must occur.
 
 How many schedules run is the Hypothesis profile's `max_examples` (tests/conftest.py): CI
@@ -48,6 +50,7 @@ from cdc_assets import hour_run
 from cdc_assets.config import TableSpec
 from cdc_assets.fleet import TableWork, run_tables
 from checks.table_checks import MIRROR_CHECKS
+from demo.reference import history, tracked_history
 from resources.lake import LakeResource
 from tests.faults import table
 from tests.faults.figures import Comparison, compare, record
@@ -72,13 +75,15 @@ def _log(seed: int) -> tuple[list[table.Change], Counter]:
 
     Per hour: the previous hour's last records delivered again (a connector restart: same
     bytes, same LSN, a later offset); creates, updates and deletes of hot keys, most deletes
-    followed by their tombstone, a deleted key created again; some changes sent to another
+    followed by their tombstone, a deleted key created again; updates that keep the row's name
+    (a tracked history folds them into the version in force); some changes sent to another
     partition than their key's (a topic whose partition count changed); an update older than
     a key's delete arriving after it; and a snapshot read older than everything streamed.
     Kafka timestamps grow in send order, so each record's hour is its timestamp's.
     """
     rng = random.Random(seed)
     live: set[int] = set()
+    names: dict[int, str] = {}  # each live key's name
     deleted: dict[int, int] = {}  # key -> LSN of its delete, while it stays deleted
     lsn, out, faults = 1_000, [], Counter()
     for hour in range(HOURS):
@@ -92,6 +97,7 @@ def _log(seed: int) -> tuple[list[table.Change], Counter]:
                 faults["re-inserts after a delete"] += row_id in deleted
                 now.append(table.change("c", row_id, lsn, hour=hour, partition=partition))
                 live.add(row_id)
+                names[row_id] = f"n{lsn}"
                 deleted.pop(row_id, None)
             elif rng.random() < 0.25:
                 faults["deletes"] += 1
@@ -100,8 +106,15 @@ def _log(seed: int) -> tuple[list[table.Change], Counter]:
                     now.append(table.tombstone(row_id, hour=hour, partition=partition))
                 live.discard(row_id)
                 deleted[row_id] = lsn
+            elif rng.random() < 0.5:
+                faults["updates keeping the name"] += 1
+                kept = names[row_id]
+                now.append(
+                    table.change("u", row_id, lsn, hour=hour, partition=partition, name=kept)
+                )
             else:
                 now.append(table.change("u", row_id, lsn, hour=hour, partition=partition))
+                names[row_id] = f"n{lsn}"
         if deleted:
             # Older than the delete (LSNs step by 10, so it ties with no other change).
             row_id = rng.choice(sorted(deleted))
@@ -191,12 +204,20 @@ def _read_by(records: list[tuple], runs: list[Run]) -> list[tuple]:
     ]
 
 
-def _mirror(spec: TableSpec, n: int) -> TableSpec:
+# How the first mirror's history tracks columns: every change a version, or the balance left
+# out (a change of the balance alone updates the version in force), said either way.
+TRACKING = {
+    "every change": {},
+    "except balance": {"history_except_columns": ("balance",)},
+    "name only": {"history_columns": ("name",)},
+}
+
+
+def _mirror(spec: TableSpec, n: int, *, tracking: str = "every change") -> TableSpec:
     """Another mirror of the same topic (its own Delta table in the lake); the first one keeps
-    its history (`history: true`)."""
-    return TableSpec.model_validate(
-        {**spec.model_dump(), "name": f"accounts_{n}", "history": n == 0}
-    )
+    its history (`history: true`), tracked as `tracking` says."""
+    first = {"history": True, **TRACKING[tracking]} if n == 0 else {}
+    return TableSpec.model_validate({**spec.model_dump(), "name": f"accounts_{n}", **first})
 
 
 def test_any_schedule_of_hours_converges_to_the_reference(
@@ -212,24 +233,32 @@ def test_any_schedule_of_hours_converges_to_the_reference(
     for p in range(PARTITIONS):
         stamps = [r[4] for r in sorted(r for r in committed if r[0] == p)]
         assert stamps == sorted(stamps), f"partition {p}'s timestamps go back"
-    assert len(faults) == 6 and all(faults.values()), faults  # the log has every fault
+    assert len(faults) == 7 and all(faults.values()), faults  # the log has every fault
+    records = [(p, o, v, k, h) for p, o, v, k, _, h in committed]
+    tracked_spec = _mirror(spec, 0, tracking="except balance")
+    folded = sum(map(len, tracked_history(tracked_spec, records).values()))
+    assert folded < sum(map(len, history(tracked_spec, records).values()))  # some versions fold
 
     total, cases, table_hours = Comparison(), 0, 0
     modes: Counter[bool] = Counter()
+    trackings: Counter[str] = Counter()
     started = time.monotonic()
 
     # Whether the schedule's small hours generate code for their expressions, or run
     # interpreted (`interpreted_max_bytes`, the default for mirrors this small): the rows must
     # not tell the two apart.
-    @given(_schedules(), st.booleans())
-    def converges(schedule: list[list[Run]], compiled: bool) -> None:
+    # And how the first mirror's history tracks columns (`TRACKING`).
+    @given(_schedules(), st.booleans(), st.sampled_from(sorted(TRACKING)))
+    def converges(schedule: list[list[Run]], compiled: bool, tracking: str) -> None:
         nonlocal cases, table_hours
         cases += 1
         note(f"schedule ((hour, refresh second) per mirror, in run order): {schedule}")
-        note(f"code generated: {compiled}")
+        note(f"code generated: {compiled}, history tracking: {tracking}")
         modes[compiled] += 1
+        trackings[tracking] += 1
+        tracked = tracking != "every change"
         lake = LakeResource(root=str(tmp_path / f"schedule{cases}"))
-        mirrors = [_mirror(spec, n) for n in range(len(schedule))]
+        mirrors = [_mirror(spec, n, tracking=tracking) for n in range(len(schedule))]
         cuts: dict[tuple[str, str], list[int | None]] = {}
         for mirror, runs in zip(mirrors, schedule, strict=True):
             for hour, cut in runs:
@@ -260,7 +289,11 @@ def test_any_schedule_of_hours_converges_to_the_reference(
             read = _read_by(committed, runs)
             if mirror.history:
                 path = lake.table_path(f"{mirror.name}__history")
-                wrong = table.history_differences(spark, path, spec, read)
+                if tracked:
+                    changes = lake.table_path(f"{mirror.name}__history_changes")
+                    wrong = table.history_differences(spark, changes, spec, read)
+                    assert not wrong, (mirror.name, runs, wrong[:3])
+                wrong = table.history_differences(spark, path, mirror, read, folded=tracked)
                 assert not wrong, (mirror.name, runs, wrong[:3])
             ref = table.reference_of(spec, read)
             comparison = compare(
@@ -282,3 +315,4 @@ def test_any_schedule_of_hours_converges_to_the_reference(
         record("convergence_property", total, faults=cases)
     assert cases >= settings().max_examples, f"only {cases} schedules ran"
     assert len(modes) == 2, f"schedules ran in one mode only (code generated: {dict(modes)})"
+    assert len(trackings) == len(TRACKING), f"history trackings drawn: {dict(trackings)}"

@@ -77,6 +77,45 @@ def test_a_run_dead_between_the_mirror_and_the_history_is_completed_by_its_rerun
     assert table.history_differences(spark, history, spec, records) == []
 
 
+def test_a_run_dead_between_the_changes_and_the_fold_is_completed_by_its_rerun(
+    broker, kafka, spark, create_topic, lake
+):
+    """Tracked columns (the balance left out): hour 1 dies after its changes' commit, before
+    the fold's; hour 2 runs on it, then hour 1 again: the folded history equals the
+    reference, whichever keys the hours share."""
+    topic = create_topic("faults-history-fold-crash", partitions=1)
+    spec = table.spec(topic, history=True, history_except_columns=("balance",))
+    changes = [
+        table.change("c", 1, 1010, hour=0, name="a"),
+        table.change("c", 2, 1020, hour=0, name="a"),
+        table.change("u", 1, 1030, hour=1, name="a"),  # the balance alone: folded
+        table.change("u", 2, 1040, hour=1, name="b", second=1),
+        table.change("u", 1, 1050, hour=2, name="c"),
+    ]
+    table.send_all(broker, spec.topic, changes)
+    table.close_hours(broker, spec.topic, 1, after_hour=2)
+    run = table.runner(spark, kafka, lake, spec)
+    history = lake.table_path(f"{spec.name}__history")
+    records = read_records(broker, spec.topic, headers=True)
+
+    assert _checks(run(0), spec) == {"accounting": True, "history": True}
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("the run's process died here")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hour_run, "fold_history", dies)
+        with pytest.raises(RuntimeError, match="died here"):
+            run(1)
+    assert _checks(run(2), spec) == {"accounting": True, "history": True}
+    rerun = run(1)
+    assert _checks(rerun, spec) == {"accounting": True, "history": True}
+    assert rerun.history.outcome.opened == 0  # the changes' table had them
+    assert table.history_differences(spark, history, spec, records, folded=True) == []
+    versions = spark.read.format("delta").load(history).where("id = 1").count()
+    assert versions == 2  # 1010 (its balance from 1030) and 1050
+
+
 def test_toasted_values_fill_from_the_version_before_in_any_order(
     broker, kafka, spark, create_topic, lake
 ):
