@@ -6,6 +6,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --jobs     # the last hour's Spark jobs
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --stages --hot-keys 5
+    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --tracked --stages
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages --without-prior-rows
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --interpreted-max-bytes 0
 
@@ -28,6 +29,10 @@ set against its wall time: the rest is the driver's work between jobs.
 `--hot-keys N` sends a tenth of each hour's changes to N keys, the rest over all 500: those keys
 gain ~20/N versions an hour, so a history run that read a key's whole past would grow hour by
 hour; with `--stages` each hour's line gives its history stage's time to show it does not.
+
+`--tracked` (with `--history`) tracks no column (`history_columns: []`): every update folds
+into its key's one version, the most a fold can do; the history's changes go to
+`accounts__history_changes` and each hour also folds them (its own stage with `--stages`).
 
 `--interpreted-max-bytes 0` has every hour generate code for its expressions (`run_hour`'s
 setting; by default hours into a mirror under 1 MiB run interpreted), to compare the two.
@@ -58,7 +63,7 @@ from kafka.admin import NewTopic
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
-from demo.reference import history, replay
+from demo.reference import history, replay, tracked_history
 from devtools import kafka_broker
 from devtools.processes import port_free
 from resources.kafka import KafkaResource
@@ -73,7 +78,7 @@ KEYS = 500
 WARM_FROM = 3  # hours before this one warm the JVM up and are left out of the mean
 
 
-def _spec(history: bool = False) -> TableSpec:
+def _spec(history: bool = False, tracked: bool = False) -> TableSpec:
     return TableSpec(
         name="accounts",
         topic="small-hours",
@@ -82,6 +87,7 @@ def _spec(history: bool = False) -> TableSpec:
         start_hour="2026-11-01-00:00",
         decimal_handling="string",
         history=history,
+        history_columns=() if tracked else None,
     )
 
 
@@ -149,6 +155,7 @@ STAGES = [
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
     ("cdc_assets.hour_run", "keep_history", HISTORY_STAGE),
     ("cdc_assets.hour_run", "write_history", "  its MERGE (the keys' versions re-derived)"),
+    ("cdc_assets.hour_run", "fold_history", "  its fold (--tracked)"),
     ("cdc_assets.hour_run", "audit_history", "  its audit (read back, beside the mirror)"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
     ("checks.expectations", "_validate", "  great-expectations"),
@@ -246,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", action="store_true", help="time the hour run's stages")
     parser.add_argument("--jobs", action="store_true", help="list the last hour's Spark jobs")
     parser.add_argument("--history", action="store_true", help="the table keeps its history")
+    parser.add_argument("--tracked", action="store_true", help="and tracks no column in it")
     parser.add_argument(
         "--hot-keys", type=int, default=0, help="a tenth of the changes go to this many keys"
     )
@@ -272,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     broker = kafka_broker.BrokerConfig(port=port, data_dir=work / "kafka")
     bootstrap = kafka_broker.start(broker)
     try:
-        spec = _spec(args.history)
+        if args.tracked and not args.history:
+            parser.error("--tracked needs --history")
+        spec = _spec(args.history, args.tracked)
         records = _send(bootstrap, spec.topic, args.hours, args.changes, args.hot_keys)
         resource = SparkResource(
             master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1, extra_conf=extra
@@ -344,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         versions_differ = False
         if args.history:
             stored = spark.read.format("delta").load(lake.table_path(f"{spec.name}__history"))
-            versions = sum(len(v) for v in history(spec, records).values())
+            reference = tracked_history if args.tracked else history
+            versions = sum(len(v) for v in reference(spec, records).values())
             versions_differ = stored.count() != versions
             print(f"history: {stored.count()} versions, the reference's {versions}")
         return 1 if wrong or len(mirror) != len(expected) or versions_differ else 0
