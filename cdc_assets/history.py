@@ -264,9 +264,11 @@ def _write_once(
         if evolving:
             merge = merge.withSchemaEvolution()
         # What a run may change in a stored version.
-        changed = changed_columns([SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)])
+        changed = changed_columns(
+            [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)], stored_names
+        )
         merge = merge.whenMatchedUpdate(
-            condition=changed(stored_names), set={c: F.col(f"s.`{c}`") for c in columns}
+            condition=changed, set={c: F.col(f"s.`{c}`") for c in columns}
         ).whenNotMatchedInsert(values={c: F.col(f"s.`{c}`") for c in columns})
         metrics, version = execute_recorded(spark, spec, path, merge, run_metadata, s3_client)
         return HistoryOutcome(
@@ -293,18 +295,14 @@ def same_version(keys: list[str], fields: list[str], key_range: Mapping[str, tup
     return within_key_range(same, key_range)
 
 
-def changed_columns(columns: list[str]):
-    """A MERGE condition for a stored version whose `columns` differ from the source's, given
-    the stored table's column names: a column the table gains in this MERGE is null in every
-    stored row until then."""
-
-    def changed(stored_names: set[str]) -> str:
-        return " OR ".join(
-            f"NOT (t.`{c}` <=> s.`{c}`)" if c.lower() in stored_names else f"s.`{c}` IS NOT NULL"
-            for c in columns
-        )
-
-    return changed
+def changed_columns(columns: list[str], stored_names: set[str]) -> str:
+    """A MERGE condition for a stored version whose `columns` differ from the source's;
+    `stored_names`: the stored table's (lowercased). A column the table gains in this MERGE is
+    null in every stored row until then."""
+    return " OR ".join(
+        f"NOT (t.`{c}` <=> s.`{c}`)" if c.lower() in stored_names else f"s.`{c}` IS NOT NULL"
+        for c in columns
+    )
 
 
 def execute_recorded(

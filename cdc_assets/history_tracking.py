@@ -321,7 +321,7 @@ def _fold_once(
         merge = table.alias("t").merge(source.alias("s"), same)
         if any(c.lower() not in stored_names for c in columns):
             merge = merge.withSchemaEvolution()
-        changed = changed_columns(columns)(stored_names)
+        changed = changed_columns(columns, stored_names)
         merge = (
             merge.whenMatchedDelete(condition=f"s.`{DROP}`")
             .whenMatchedUpdate(
