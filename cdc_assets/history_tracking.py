@@ -22,7 +22,8 @@ the per-change table's and carries the same run record; a run that dies between 
 completed by running the hour again, which folds the same range from the stored changes.
 
 The setting is fixed when the history is created (`TRACKING_PROPERTY` on `<table>__history`):
-a run refuses a history built with other tracked columns, or without them, naming the fix.
+a run refuses a history built with other tracked columns, or without them, naming the fix;
+`cdc_assets.history_refold` folds the whole history again under the new setting.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def check_tracking(
     stored = table_properties(spark, history_path).get(TRACKING_PROPERTY) if history else None
     if not history or (stored == wanted and changes == (wanted is not None)):
         return  # a new history (or one whose first fold a crash cut short), or as set
-    now = _setting(wanted)
+    now = tracking_text(wanted)
     if stored == wanted:  # tracked, its changes' table gone
         problem = f"its changes' table {changes_path} is missing"
         fix = (
@@ -140,19 +141,18 @@ def check_tracking(
         problem = f"{changes_path} exists beside it, which only tracked columns keep"
         fix = f"move {changes_path} aside if it is left from an earlier setting"
     elif wanted is None:
-        problem = f"it was built with {_setting(stored)}, and the table now sets {now}"
+        problem = f"it was built with {tracking_text(stored)}, and the table now sets {now}"
         fix = (
-            f"set {_setting(stored)} again, or keep every change as a version from now on: "
+            f"set {tracking_text(stored)} again, or keep every change as a version from now on: "
             f"move {history_path} aside and rename {changes_path} to {history_path} (it holds "
             "every change as one)"
         )
     else:
-        problem = f"it was built with {_setting(stored)}, and the table now sets {now}"
+        problem = f"it was built with {tracking_text(stored)}, and the table now sets {now}"
         fix = (
-            f"set {_setting(stored)} again, or rebuild the history with the new setting: move "
-            f"{history_path} and {changes_path} (if any) aside and run the table's hours again "
-            "from its first one (while Kafka holds them; the mirror is left as it is). No tool "
-            "folds the changes' table again yet"
+            f"set {tracking_text(stored)} again, or fold the history again under the new setting "
+            "from the changes it keeps (no Kafka needed), while no hour of the table runs: "
+            f"python -m cdc_assets.history_refold --table {spec.name}"
         )
     raise MirrorSettingError(
         f"table '{spec.name}': its history at {history_path} can't be written: {problem}; a "
@@ -160,7 +160,7 @@ def check_tracking(
     )
 
 
-def _setting(tracked: str | None) -> str:
+def tracking_text(tracked: str | None) -> str:
     """A `tracking` value as the tables file writes it."""
     if tracked is None:
         return "no tracked columns (every change a version)"
@@ -343,6 +343,16 @@ def _fold_once(
         )
     finally:
         folded.unpersist()
+
+
+def fold_all(spec: TableSpec, changes: DataFrame) -> DataFrame:
+    """Every key's versions folded from all of its `changes` (a changes' table whole) by
+    `spec`'s tracked columns: what `<table>__history` holds for them
+    (`cdc_assets.history_refold`)."""
+    schema = changes.schema
+    starts = T.StructType([schema[c] for c in _STARTS])
+    rows = changes.withColumn("_start", F.lit(None).cast(starts))
+    return _folded(spec, rows, [f.name for f in schema], schema)
 
 
 def _in_range(frame: DataFrame, key_range: Mapping[str, tuple]) -> DataFrame:

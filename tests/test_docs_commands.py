@@ -24,8 +24,9 @@ Checked only, because they start servers, run for minutes, or need what a test c
 - `scripts/demo.sh` (Kafka, Postgres, Kafka Connect, Dagster; flags against its usage line),
   `scripts/install.sh` (downloads; it must exist and be executable), `scripts/bench.sh` and
   `python -m benchmarks.*` (minutes to an hour; arguments parsed by the module's own parser);
-- `python -m MODULE ...` that needs a broker, a webserver or a database (`cdc_assets.backfill`,
-  `cdc_assets.error_replay`, `demo.ui_materialize`, `demo.screenshots`, `devtools.postgres`,
+- `python -m MODULE ...` that needs a broker, a webserver, a database or a table's history
+  (`cdc_assets.backfill`, `cdc_assets.error_replay`, `cdc_assets.history_refold`,
+  `demo.ui_materialize`, `demo.screenshots`, `devtools.postgres`,
   `devtools.spark_cluster`): the module's own argparse parser must accept the arguments;
 - `scripts/test.sh ARGS` and `python -m pytest ARGS` (the suite takes an hour): pytest must
   collect at least one test with those arguments;
@@ -140,6 +141,7 @@ def _module(command: Command) -> tuple[str, list[str]] | None:
 PARSE_ONLY_MODULES = {
     "cdc_assets.backfill",
     "cdc_assets.error_replay",
+    "cdc_assets.history_refold",
     "demo.ui_materialize",
     "demo.screenshots",
     "devtools.postgres",

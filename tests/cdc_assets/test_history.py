@@ -14,6 +14,7 @@ import shutil
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -36,6 +37,7 @@ from cdc_assets.history import (
     audit_history,
     write_history,
 )
+from cdc_assets.history_refold import RefoldError, refold_history
 from cdc_assets.history_tracking import check_tracking, fold_history
 from cdc_assets.merge import MirrorSettingError
 from tests.support import accounts_spec
@@ -314,10 +316,122 @@ def test_tracked_columns_fold_changes_and_late_ones_split_or_join_versions(spark
     # Another setting than the history was built with is refused before anything is read,
     # and so is a tracked history without its changes' table.
     built = r"built with history_except_columns: \[balance\]"
-    for changed, fix in ((_spec(history_except_columns=("name",)), "rebuild"), (_spec(), "rename")):
+    changed_to = _spec(history_except_columns=("name",))
+    for changed, fix in ((changed_to, "history_refold"), (_spec(), "rename")):
         with pytest.raises(MirrorSettingError, match=f"{built}.*{fix}"):
             check_tracking(spark, changed, path, changes_path)
     check_tracking(spark, spec, path, changes_path)
     shutil.move(changes_path, str(tmp_path / "elsewhere"))
     with pytest.raises(MirrorSettingError, match="changes' table .* is missing"):
         check_tracking(spark, spec, path, changes_path)
+
+
+def test_refold_folds_the_history_again_under_a_new_setting(spark, tmp_path):
+    """`cdc_assets.history_refold`: a per-change history becomes a tracked one (copied to the
+    changes' table, then folded), a tracked one takes other tracked columns, and every case it
+    can't do is refused naming what to do instead."""
+    path, changes_path = str(tmp_path / "accounts__history"), str(tmp_path / "changes")
+    changes = [
+        _change("c", 1, 10, name="a", balance=1),
+        _change("u", 1, 20, name="a", balance=2),
+        _change("u", 1, 30, name="b", balance=2),
+        _change("c", 2, 15, name="x", balance=5),
+        _change("d", 2, 25, name="x", balance=5),
+    ]
+    marked = F.col("name").alias("name", metadata={"comment": "kept"})
+    write_history(
+        spark,
+        _spec(),
+        path,
+        _frame(spark, changes).withColumn("name", marked),
+        ingested_at=T0,
+        run_metadata={"hour": "2026-11-04-08:00", "run": 1, "slice": {}},
+    )
+
+    def versions():
+        rows = spark.read.format("delta").load(path).orderBy("id", SEQUENCE).collect()
+        return [
+            (
+                r["id"],
+                r[SEQUENCE]["source_lsn"],
+                None if r[END_SEQUENCE] is None else r[END_SEQUENCE]["source_lsn"],
+                r[OP],
+                r["name"],
+                r["balance"],
+            )
+            for r in rows
+        ]
+
+    per_change = versions()
+    assert len(per_change) == 5
+    untracked_balance = _spec(history_except_columns=("balance",))
+    with pytest.raises(MirrorSettingError, match="history_refold --table accounts"):
+        check_tracking(spark, untracked_balance, path, changes_path)
+
+    dry = refold_history(spark, untracked_balance, path, changes_path, dry_run=True)
+    assert (dry.copied, dry.changes, dry.versions) == (True, 5, 0)
+    assert not DeltaTable.isDeltaTable(spark, changes_path) and versions() == per_change
+
+    # The balance alone changed at 20: that change folds into the version opened at 10.
+    done = refold_history(spark, untracked_balance, path, changes_path)
+    assert (done.copied, done.changes, done.versions) == (True, 5, 4)
+    assert versions() == [
+        (1, 10, 30, "c", "a", 2),
+        (1, 30, None, "u", "b", 2),
+        (2, 15, 25, "c", "x", 5),
+        (2, 25, None, "d", "x", 5),
+    ]
+    check_tracking(spark, untracked_balance, path, changes_path)
+    copied = spark.read.format("delta").load(changes_path)
+    assert copied.count() == 5
+    for table in (path, changes_path):
+        assert spark.read.format("delta").load(table).schema["name"].metadata == {"comment": "kept"}
+
+    # The runs after it go on with the new setting.
+    later = [_change("u", 1, 40, name="b", balance=3)]
+    _write(spark, untracked_balance, changes_path, later, run=2)
+    fold_history(
+        spark,
+        untracked_balance,
+        path,
+        changes_path,
+        _frame(spark, later),
+        run_metadata={"hour": "2026-11-04-08:00", "run": 2, "slice": {}},
+    )
+    assert versions()[1] == (1, 30, None, "u", "b", 3)
+
+    # Tracking the balance instead: folded again from the changes' table, nothing copied.
+    balance_only = _spec(history_columns=("balance",))
+    with pytest.raises(MirrorSettingError, match="history_refold"):
+        check_tracking(spark, balance_only, path, changes_path)
+    again = refold_history(spark, balance_only, path, changes_path)
+    assert (again.copied, again.changes, again.versions) == (False, 6, 5)
+    assert versions() == [
+        (1, 10, 20, "c", "a", 1),
+        (1, 20, 40, "u", "b", 2),
+        (1, 40, None, "u", "b", 3),
+        (2, 15, 25, "c", "x", 5),
+        (2, 25, None, "d", "x", 5),
+    ]
+    check_tracking(spark, balance_only, path, changes_path)
+
+    # What it refuses: tracking taken away (the rename does it), a tracked history without
+    # its changes' table, no history at all, and a stale changes' table beside a per-change one.
+    with pytest.raises(RefoldError, match="rename"):
+        refold_history(spark, _spec(), path, changes_path)
+    shutil.move(changes_path, str(tmp_path / "aside"))
+    with pytest.raises(RefoldError, match="missing"):
+        refold_history(spark, balance_only, path, changes_path)
+    with pytest.raises(RefoldError, match="no history"):
+        refold_history(spark, balance_only, str(tmp_path / "none"), str(tmp_path / "none2"))
+    plain = str(tmp_path / "plain")
+    _write(spark, _spec(), plain, changes, run=3)
+    stale = str(tmp_path / "stale")
+    spark.read.format("delta").load(plain).limit(2).write.format("delta").save(stale)
+    with pytest.raises(RefoldError, match="differ"):
+        refold_history(spark, balance_only, plain, stale)
+    # A copy a stopped refold made is taken as it is.
+    whole = str(tmp_path / "whole")
+    spark.read.format("delta").load(plain).write.format("delta").save(whole)
+    resumed = refold_history(spark, balance_only, plain, whole)
+    assert (resumed.copied, resumed.changes, resumed.versions) == (False, 5, 4)
