@@ -34,6 +34,10 @@ hour; with `--stages` each hour's line gives its history stage's time to show it
 into its key's one version, the most a fold can do; the history's changes go to
 `accounts__history_changes` and each hour also folds them (its own stage with `--stages`).
 
+`--toasted` (with `--history`) declares `name` a TOASTed column (every change carries it): the
+mirror's and the history's TOASTed-value work runs, the history's look for primary-key moves
+(`cdc_assets.history_moves`, its own stage with `--stages`) included, though none is sent.
+
 `--interpreted-max-bytes 0` has every hour generate code for its expressions (`run_hour`'s
 setting; by default hours into a mirror under 1 MiB run interpreted), to compare the two.
 
@@ -78,7 +82,7 @@ KEYS = 500
 WARM_FROM = 3  # hours before this one warm the JVM up and are left out of the mean
 
 
-def _spec(history: bool = False, tracked: bool = False) -> TableSpec:
+def _spec(history: bool = False, tracked: bool = False, toasted: bool = False) -> TableSpec:
     return TableSpec(
         name="accounts",
         topic="small-hours",
@@ -88,6 +92,7 @@ def _spec(history: bool = False, tracked: bool = False) -> TableSpec:
         decimal_handling="string",
         history=history,
         history_columns=() if tracked else None,
+        toasted_columns=("name",) if toasted else (),
     )
 
 
@@ -155,6 +160,7 @@ STAGES = [
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
     ("cdc_assets.hour_run", "keep_history", HISTORY_STAGE),
     ("cdc_assets.hour_run", "write_history", "  its MERGE (the keys' versions re-derived)"),
+    ("cdc_assets.hour_run", "follow_moves", "  its moves' TOASTed values (--toasted)"),
     ("cdc_assets.hour_run", "fold_history", "  its fold (--tracked)"),
     ("cdc_assets.hour_run", "audit_history", "  its audit (read back, beside the mirror)"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
@@ -255,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history", action="store_true", help="the table keeps its history")
     parser.add_argument("--tracked", action="store_true", help="and tracks no column in it")
     parser.add_argument(
+        "--toasted", action="store_true", help="and `name` is a TOASTed column (history only)"
+    )
+    parser.add_argument(
         "--hot-keys", type=int, default=0, help="a tenth of the changes go to this many keys"
     )
     parser.add_argument(
@@ -280,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     broker = kafka_broker.BrokerConfig(port=port, data_dir=work / "kafka")
     bootstrap = kafka_broker.start(broker)
     try:
-        if args.tracked and not args.history:
-            parser.error("--tracked needs --history")
-        spec = _spec(args.history, args.tracked)
+        if (args.tracked or args.toasted) and not args.history:
+            parser.error("--tracked and --toasted need --history")
+        spec = _spec(args.history, args.tracked, args.toasted)
         records = _send(bootstrap, spec.topic, args.hours, args.changes, args.hot_keys)
         resource = SparkResource(
             master="local[2]", shuffle_partitions=4, delta_snapshot_partitions=1, extra_conf=extra

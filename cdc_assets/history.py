@@ -18,8 +18,8 @@ version thus splits the interval it falls into; running an hour again writes not
 TOASTed values (`toasted_columns`): a version that does not carry one takes the value of the
 newest version before it that did (recomputed with every run, so it is right when that version
 arrives later); where no version of the key carried one, the value is null and
-`_cdc_unknown__C` true. Not followed across a primary-key move (the mirror's `resolve_moves`):
-a moved row's versions say unknown until a change carries the value. A column with a default
+`_cdc_unknown__C` true. A life a primary-key move began takes the old key's value from just
+before the move, as the mirror's row does (`cdc_assets.history_moves`). A column with a default
 that the history gains shows the default in its versions from before, as the mirror's rows do.
 
 The history's MERGE is its own commit, after the mirror's, carrying the same run record: a run
@@ -48,6 +48,7 @@ from cdc_assets.columns import (
     INGESTED_AT,
     KAFKA_OFFSET,
     KAFKA_PARTITION,
+    MOVED_FROM,
     OP,
     SEQUENCE,
     SOURCE_TS,
@@ -93,6 +94,7 @@ def data_columns(spec: TableSpec, changes: DataFrame) -> list[str]:
 def version_columns(spec: TableSpec, data: list[str]) -> list[str]:
     """The history's columns, in order."""
     toasted = [name for c in spec.toasted_columns for name in (has_value(c), unknown_flag(c))]
+    moved = [MOVED_FROM] if spec.toasted_columns else []  # `cdc_assets.history_moves`
     return [
         *data,
         OP,
@@ -107,6 +109,7 @@ def version_columns(spec: TableSpec, data: list[str]) -> list[str]:
         HOUR,
         INGESTED_AT,
         *toasted,
+        *moved,
     ]
 
 
@@ -115,7 +118,8 @@ class HistoryOutcome:
     """What one run did to the history: the hour's versions (distinct key and source sequence),
     how many of them were stored already, the versions the MERGE inserted (Delta's metric, so
     the three can disagree), the stored versions it closed (their key got a newer one) and the
-    stored versions it rewrote in all (closed, split, refilled); its commit's version."""
+    stored versions it rewrote in all (closed, split, refilled); its commit's version; and the
+    versions filled from their life's primary-key move afterwards (`history_moves`)."""
 
     versions: int
     known: int
@@ -123,6 +127,7 @@ class HistoryOutcome:
     closed: int
     rewritten: int
     version: int | None
+    filled_from_moves: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class HistoryAudit:
     current version, versions whose end is not the next version's start (an overlap or a gap),
     and the keys whose current live version differs from the mirror's live row (either side
     missing, or a value differing), of `keys` keys; `unknown` current versions with a TOASTed
-    value not known (compared only where known); with `delete_mode: hard`, keys the history
+    value not known (compared only where both it and the mirror know it); with `delete_mode: hard`, keys the history
     has deleted that the mirror holds again because an older change ran after the delete (hard
     deletes converge only in order: reported, not a failure of the history)."""
 
@@ -166,6 +171,7 @@ def hour_versions(spec: TableSpec, changes: DataFrame, ingested_at) -> DataFrame
     data = data_columns(spec, changes)
     fields = source_fields(changes.schema[SEQUENCE].dataType)
     toasted = [has_value(c) for c in spec.toasted_columns]
+    toasted += [MOVED_FROM] if spec.toasted_columns else []
     row = [*data, OP, DELETED, SOURCE_TS, KAFKA_PARTITION, KAFKA_OFFSET, HOUR, *toasted]
     identity = [*spec.primary_key, *(F.col(f"{SEQUENCE}.{f}").alias(f"_v_{f}") for f in fields)]
     first = F.min_by(
@@ -500,10 +506,17 @@ def audit_history(
         *compared,
         *flags,
     )
-    rows = versions.unionByName(
-        mirror.select(*keys, F.lit(False).alias(IS_VERSION), SEQUENCE, *compared),
-        allowMissingColumns=True,
+    # The mirror's own unknown flags: a value neither side knows, or only the history (the
+    # mirror looks a moved row's value up in the old key's row as it is now), is not compared.
+    mirror_flags = [f for f in flags if f in mirror.columns]
+    mirror_rows = mirror.select(
+        *keys,
+        F.lit(False).alias(IS_VERSION),
+        SEQUENCE,
+        *compared,
+        *[F.col(f).alias(f"{AUDIT}mirror{f}") for f in mirror_flags],
     )
+    rows = versions.unionByName(mirror_rows, allowMissingColumns=True)
     # Each key's versions in order, its mirror rows after them (false sorts last here).
     ordered = Window.partitionBy(*keys).orderBy(F.col(IS_VERSION).desc(), F.col(SEQUENCE))
 
@@ -533,7 +546,9 @@ def audit_history(
             F.count(F.when(current, 1)).alias(f"{AUDIT}current"),
             F.count(F.when(F.col(f"{AUDIT}broken"), 1)).alias(f"{AUDIT}broken"),
             newest(current, DELETED, SEQUENCE, *compared, *flags).alias(f"{AUDIT}h"),
-            newest(in_mirror, SEQUENCE, *compared).alias(f"{AUDIT}m"),
+            newest(
+                in_mirror, SEQUENCE, *compared, *[f"{AUDIT}mirror{f}" for f in mirror_flags]
+            ).alias(f"{AUDIT}m"),
         )
     )
 
@@ -552,6 +567,8 @@ def audit_history(
         equal = h(c).eqNullSafe(m(c))
         if c in spec.toasted_columns:
             equal = equal | h(unknown_flag(c))
+            if unknown_flag(c) in mirror_flags:
+                equal = equal | F.coalesce(m(f"{AUDIT}mirror{unknown_flag(c)}"), F.lit(False))
         same = same & equal
     # delete_mode: hard converges only in order (cdc_assets/rule.py): an older change that ran
     # after the delete put the row back in the mirror. The history is right; counted apart.

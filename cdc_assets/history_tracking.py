@@ -44,6 +44,7 @@ from cdc_assets.columns import (
     INGESTED_AT,
     KAFKA_OFFSET,
     KAFKA_PARTITION,
+    MOVED_FROM,
     OP,
     SEQUENCE,
     has_value,
@@ -230,7 +231,7 @@ def _fold_once(
 ) -> FoldOutcome:
     keys = list(spec.primary_key)
     stored_changes = _in_range(spark.read.format("delta").load(changes_path), key_range)
-    schema = stored_changes.schema
+    schema = _folded_schema(stored_changes)
     columns = [f.name for f in schema]
     fields = source_fields(schema[SEQUENCE].dataType)
     table = create_history_table(
@@ -349,10 +350,16 @@ def fold_all(spec: TableSpec, changes: DataFrame) -> DataFrame:
     """Every key's versions folded from all of its `changes` (a changes' table whole) by
     `spec`'s tracked columns: what `<table>__history` holds for them
     (`cdc_assets.history_refold`)."""
-    schema = changes.schema
+    schema = _folded_schema(changes)
     starts = T.StructType([schema[c] for c in _STARTS])
     rows = changes.withColumn("_start", F.lit(None).cast(starts))
     return _folded(spec, rows, [f.name for f in schema], schema)
+
+
+def _folded_schema(changes: DataFrame) -> T.StructType:
+    """The folded history's columns: the changes' table's but `_cdc_moved_from`, which says
+    how one change began its key's life (`cdc_assets.history_moves`), not a version."""
+    return T.StructType([f for f in changes.schema if f.name != MOVED_FROM])
 
 
 def _in_range(frame: DataFrame, key_range: Mapping[str, tuple]) -> DataFrame:

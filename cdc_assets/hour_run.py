@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -67,6 +67,7 @@ from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
 from cdc_assets.history import audit_history, data_columns, history_name, write_history
+from cdc_assets.history_moves import follow_moves
 from cdc_assets.history_tracking import (
     changes_name,
     check_tracking,
@@ -331,10 +332,12 @@ def apply(
 def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryRun | None:
     """A table with `history: true`: every applied change of the hour becomes a version in
     `<table>__history`, in a commit of its own after the mirror's, carrying the same record (a
-    crash between the two is repaired by running the hour again); with tracked columns in
-    `<table>__history_changes`, then folded into `<table>__history` in a third commit
-    (`cdc_assets.history_tracking`). Then the stored versions of the hour's keys in the history
-    readers query are judged against themselves and the mirror (`cdc_assets.history`)."""
+    crash between the two is repaired by running the hour again); TOASTed values carried over
+    primary-key moves the hour takes part in (`cdc_assets.history_moves`, commits of their own);
+    with tracked columns in `<table>__history_changes`, then folded into `<table>__history` in a
+    further commit (`cdc_assets.history_tracking`). Then the stored versions of the keys the run
+    touched in the history readers query are judged against themselves and the mirror
+    (`cdc_assets.history`)."""
     if not ctx.spec.history:
         return None
     spec, lake = applied.spec, ctx.lake
@@ -351,6 +354,13 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         defaults=applied.defaults,
         s3_client=lake.s3_client(),
     )
+    moved = follow_moves(ctx.spark, spec, per_change, applied.changes, applied.commit)
+    touched = applied.changes
+    if moved.versions is not None:  # moved keys may lie outside the hour's key range
+        outcome = replace(outcome, filled_from_moves=moved.filled)
+        keys = [*spec.primary_key, SEQUENCE]
+        touched = touched.select(*keys).unionByName(moved.versions.select(*keys))
+        bounds = {}
     folded = None
     if per_change != path:
         folded = fold_history(
@@ -358,7 +368,7 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
             spec,
             path,
             per_change,
-            applied.changes,
+            touched,
             run_metadata=applied.commit,
             key_range=bounds,
             defaults=applied.defaults,
@@ -369,7 +379,7 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         spec,
         path,
         ctx.path,
-        applied.changes,
+        touched,
         data_columns(spec, applied.changes),
         bounds,
     )

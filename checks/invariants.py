@@ -428,6 +428,7 @@ def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResu
         "versions_closed": outcome.closed,
         "versions_stored_already": outcome.known,
         "versions_rewritten": outcome.rewritten,
+        "versions_filled_from_moves": outcome.filled_from_moves,
         "keys": audit.keys,
         "keys_without_one_current_version": audit.current_not_one,
         "broken_intervals": audit.broken_intervals,

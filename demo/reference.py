@@ -152,41 +152,60 @@ def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]
     sequence), `_cdc_end_sequence` (the next version's, None for the newest), `_cdc_valid_from`
     and `_cdc_valid_to` (source.ts_ms as UTC datetimes) and `_cdc_current`. A toasted column a
     change did not carry holds the newest value an earlier version of the same key carried
-    since its last delete, None when none did (`_cdc_unknown__C`); a primary-key move is not
-    followed. Truncates are
-    not replayed (a table with history refuses `on_truncate: apply`). Returns versions by
-    primary-key tuple, oldest first.
+    since its last delete; in a life a primary-key move began (a create naming the old key in
+    its ``__debezium.oldkey`` header), until then the old key's value from just before the
+    move, as `replay` gives the mirror's row; None when nothing tells it (`_cdc_unknown__C`).
+    Truncates are not replayed (a table with history refuses `on_truncate: apply`). Returns
+    versions by primary-key tuple, oldest first.
     """
-    found: dict[tuple, dict[tuple, tuple[tuple, str, Row, datetime | None]]] = {}
+    found: dict[tuple, dict[tuple, tuple[tuple, str, Row, datetime | None, tuple | None]]] = {}
+    toasted: dict[tuple, dict[str, list[tuple[tuple, Any]]]] = {}  # as in `replay_with_errors`
+    moves: dict[tuple, list[tuple[tuple, tuple]]] = {}
     for partition, offset, value, *rest in records:
         if value is None:
             continue
+        headers = rest[1] if len(rest) > 1 else ()
         try:
             op, sequence, row = _parse(spec, value, rest[0] if rest else None, {})
+            old_key = _old_key(spec, headers) if op == "c" and spec.toasted_columns else None
         except _Malformed:
             continue
         if op == "t":
             continue
         key = tuple(row[col] for col in spec.primary_key)
         position = (sequence, partition, offset)
+        if old_key is not None:
+            moves.setdefault(key, []).append((position, old_key))
+        for col in spec.toasted_columns:
+            if op != "d" and row[col] is not _UNAVAILABLE:
+                toasted.setdefault(key, {}).setdefault(col, []).append((position, row[col]))
         versions = found.setdefault(key, {})
         if sequence not in versions or position < versions[sequence][0]:
-            versions[sequence] = (position, op, row, _source_time(value))
+            versions[sequence] = (position, op, row, _source_time(value), old_key)
     out: dict[tuple, list[Row]] = {}
     for key, versions in found.items():
         ordered = sorted(versions.values(), key=lambda v: v[0])
         carried: dict[str, Any] = {}
+        moved: tuple[tuple, tuple] | None = None  # (position, old key) of the life's move
         rows = []
-        for i, (position, op, row, at) in enumerate(ordered):
+        for i, (position, op, row, at, old_key) in enumerate(ordered):
             following = ordered[i + 1] if i + 1 < len(ordered) else None
             version = dict(row)
+            if old_key is not None:
+                moved = (position, old_key)
             for col in spec.toasted_columns:
                 if op != "d" and row[col] is not _UNAVAILABLE:
                     carried[col] = row[col]
                     version[f"_cdc_unknown__{col}"] = False
+                elif col in carried:
+                    version[col] = carried[col]
+                    version[f"_cdc_unknown__{col}"] = False
                 else:
-                    version[col] = carried.get(col)
-                    version[f"_cdc_unknown__{col}"] = col not in carried
+                    known, given = (False, None)
+                    if moved is not None:
+                        known, given = _toasted(moved[1], col, moved[0], toasted, moves)
+                    version[col] = given
+                    version[f"_cdc_unknown__{col}"] = not known
             version.update(
                 _cdc_op=op,
                 _cdc_deleted=op == "d",
@@ -198,7 +217,7 @@ def history(spec: TableSpec, records: Iterable[Record]) -> dict[tuple, list[Row]
             )
             rows.append(version)
             if op == "d":
-                carried = {}  # the key's next life (a row moved to it) starts without values
+                carried, moved = {}, None  # the key's next life starts without values
         out[key] = rows
     return out
 
@@ -262,6 +281,13 @@ def _toasted_value(
     with a primary-key update (a move) takes, until then, the old key's value just before the
     move. None where nothing tells it (the pipeline flags such rows).
     """
+    return _toasted(key, col, before, toasted, moves, depth)[1]
+
+
+def _toasted(
+    key: tuple, col: str, before: tuple | None, toasted: dict, moves: dict, depth: int = 0
+) -> tuple[bool, Any]:
+    """`_toasted_value` and whether anything tells it (a carried null is known)."""
     earlier = [m for m in moves.get(key, ()) if before is None or m[0] < before]
     move = max(earlier, default=None)
     own = [
@@ -270,10 +296,10 @@ def _toasted_value(
         if (before is None or position < before) and (move is None or position >= move[0])
     ]
     if own:
-        return max(own, key=lambda carried: carried[0])[1]
+        return True, max(own, key=lambda carried: carried[0])[1]
     if move is not None and depth < 32:
-        return _toasted_value(move[1], col, move[0], toasted, moves, depth + 1)
-    return None
+        return _toasted(move[1], col, move[0], toasted, moves, depth + 1)
+    return False, None
 
 
 def _old_key(spec: TableSpec, headers: Iterable) -> tuple | None:

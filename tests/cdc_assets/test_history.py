@@ -23,6 +23,7 @@ from cdc_assets.columns import (
     HOUR,
     KAFKA_OFFSET,
     KAFKA_PARTITION,
+    MOVED_FROM,
     OP,
     SEQUENCE,
     SOURCE_TS,
@@ -72,6 +73,11 @@ def _schema(toasted: bool) -> T.StructType:
             T.StructField(HOUR, T.StringType()),
             T.StructField(DELETED, T.BooleanType()),
             *([T.StructField(has_value("name"), T.BooleanType())] if toasted else []),
+            *(
+                [T.StructField(MOVED_FROM, T.StructType([T.StructField("id", T.LongType())]))]
+                if toasted
+                else []
+            ),
         ]
     )
 
@@ -99,7 +105,7 @@ def _frame(spark, changes, toasted=False):
     for c in changes:
         row = [c[f] for f in ("id", "name", "balance", OP, SEQUENCE, SOURCE_TS)]
         row += [c[KAFKA_PARTITION], c[KAFKA_OFFSET], c[HOUR], c[DELETED]]
-        rows.append((*row, c["_carried"]) if toasted else tuple(row))
+        rows.append((*row, c["_carried"], None) if toasted else tuple(row))
     return spark.createDataFrame(rows, _schema(toasted))
 
 

@@ -5,9 +5,11 @@
   The death is an exception raised where the history's write begins: what it leaves on disk
   is a kill's there (the mirror's commit is in its log, the history's MERGE has not begun; a
   kill inside a MERGE leaves no commit, scenario 2 in test_crashes.py).
-- TOASTed values and a primary-key move, hours in reverse: each version's value is the one
-  the version before it carried, filled again when that version arrives later; the moved row's
-  versions say unknown (the history does not follow moves), and the history check passes.
+- TOASTed values and a chain of primary-key moves, hours in reverse: each version's value is
+  the one the version before it carried, filled again when that version arrives later; a moved
+  row's versions take the old key's value from just before the move, along the chain, once the
+  hour that carried it runs (the newest hour ran first); the history check passes each hour.
+  With tracked columns too: the fold takes the moved keys' filled changes.
 
 Hours in any order with repeats, replays and refreshes: the convergence property
 (test_convergence.py), whose first mirror keeps its history.
@@ -116,13 +118,15 @@ def test_a_run_dead_between_the_changes_and_the_fold_is_completed_by_its_rerun(
     assert versions == 2  # 1010 (its balance from 1030) and 1050
 
 
+@pytest.mark.parametrize("tracked", [False, True], ids=["every-change", "balance-untracked"])
 def test_toasted_values_fill_from_the_version_before_in_any_order(
-    broker, kafka, spark, create_topic, lake
+    broker, kafka, spark, create_topic, lake, tracked
 ):
     spec = table.spec(
-        create_topic("faults-history-toast", partitions=1),
+        create_topic(f"faults-history-toast-{tracked}".lower(), partitions=1),
         history=True,
         toasted_columns=("name",),
+        **({"history_except_columns": ("balance",)} if tracked else {}),
     )
     unchanged = "__debezium_unavailable_value"
     changes = [
@@ -132,15 +136,33 @@ def test_toasted_values_fill_from_the_version_before_in_any_order(
         table.change("u", 1, 1040, hour=2, name=unchanged),
         *table.move(1, 7, 1050, hour=2, second=2),
         table.change("u", 7, 1070, hour=2, name=unchanged, second=3),
+        *table.move(7, 9, 1080, hour=2, second=4),
+        table.change("u", 9, 1090, hour=2, name=unchanged, second=5),
     ]
     table.send_all(broker, spec.topic, changes)
     table.close_hours(broker, spec.topic, 1, after_hour=2)
     run = table.runner(spark, kafka, lake, spec)
     history = lake.table_path(f"{spec.name}__history")
     records = read_records(broker, spec.topic, headers=True)
+    filled = {}
     for hour in (2, 1, 0):
         result = run(hour)
         assert result.history.audit.problems == [], hour
+        filled[hour] = result.history.outcome.filled_from_moves
+    # Hour 1 carried key 1's value: key 7's three versions, then key 9's two, took it.
+    assert filled == {2: 0, 1: 5, 0: 0}
+    if tracked:  # the fold took the moved keys' filled changes: a version per name
+        assert table.history_differences(spark, history, spec, records, folded=True) == []
+        rows = spark.read.format("delta").load(history).orderBy("_cdc_sequence").collect()
+        assert [(r["id"], r["name"], r["_cdc_unknown__name"]) for r in rows] == [
+            (1, "first", False),
+            (1, "second", False),
+            (1, "second", False),
+            (7, "second", False),
+            (7, "second", False),
+            (9, "second", False),
+        ]
+        history = lake.table_path(f"{spec.name}__history_changes")
     assert table.history_differences(spark, history, spec, records) == []
     rows = spark.read.format("delta").load(history).orderBy("_cdc_sequence").collect()
     assert [(r["id"], r["name"], r["_cdc_unknown__name"]) for r in rows] == [
@@ -149,6 +171,9 @@ def test_toasted_values_fill_from_the_version_before_in_any_order(
         (1, "second", False),
         (1, "second", False),
         (1, "second", False),  # the move's delete of key 1: its value before it
-        (7, None, True),  # the move's create: the history does not follow moves
-        (7, None, True),
+        (7, "second", False),  # the move's create: key 1's value from just before it
+        (7, "second", False),
+        (7, "second", False),  # the next move's delete of key 7
+        (9, "second", False),  # along the chain
+        (9, "second", False),
     ]

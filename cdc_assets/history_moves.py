@@ -1,0 +1,153 @@
+"""TOASTed values across primary-key moves, in the history: the mirror's rule, per version.
+
+A primary-key update reaches the lake as a delete of the old key and a create of the new one
+naming the old key (`_cdc_moved_from`); Postgres leaves an unchanged TOASTed value out of that
+create. In the mirror, `toast.resolve_moves` gives the moved row the old key's value from just
+before the move. Here every version of the life the move began (the new key's versions from the
+create up to its next delete) that no change of that life carried a value to takes it the same
+way: the value of the old key's version in force just before the move (itself filled, and
+filled from a move of its own along a chain). Where that is not known, the versions say
+unknown, as any other version does.
+
+Runs after the history's MERGE (`history.write_history`), each in a commit of its own carrying
+the run's record marked `moved_rows`, as the mirror's do. A pass takes the moves whose old or
+new key the hour touched, the next pass the moves out of keys the pass before filled (a chain
+of moves needs a pass per link), so a value that arrives late reaches the moved versions, in
+any hour order. Versions a later run derives again from the carry (`history._derived`) may say
+unknown for a moment; the pass of the same run fills them again before anything reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.columns import DELETED, MOVED_FROM, SEQUENCE, has_value
+from cdc_assets.commits import MOVED_ROWS, commit_metadata
+from cdc_assets.config import TableSpec
+from cdc_assets.history import source_fields
+from cdc_assets.toast import unknown_flag
+
+# Passes per run: one per link of a chain of moves (as `toast.resolve_moves`).
+_MAX_PASSES = 8
+
+
+@dataclass(frozen=True)
+class MovedVersions:
+    """The versions a run filled from their life's move (`filled`), and their keys and
+    sequences (`versions`, None when none) for the fold and the audit to take as touched."""
+
+    filled: int
+    versions: DataFrame | None
+
+
+def follow_moves(
+    spark: SparkSession, spec: TableSpec, path: str, changes: DataFrame, run_metadata: dict
+) -> MovedVersions:
+    """Fills the TOASTed values of the versions at `path` whose life began with a move the
+    hour's keys (`changes`) are part of, and along chains of moves from there; see the module
+    docstring."""
+    if not spec.toasted_columns or not DeltaTable.isDeltaTable(spark, path):
+        return MovedVersions(0, None)
+    table = DeltaTable.forPath(spark, path)
+    if MOVED_FROM not in table.toDF().columns:
+        return MovedVersions(0, None)  # a history written before moves were followed
+    keys = list(spec.primary_key)
+    touched = changes.select(*keys).distinct()
+    filled, done = 0, []
+    for _ in range(_MAX_PASSES):
+        # Taken to the driver before the MERGE: a cached frame over the table would be
+        # computed again after it (Delta refreshes the caches of a table it writes), and a
+        # move's versions are few.
+        found = _fills(table.toDF(), spec, touched)
+        rows = found.collect()
+        if not rows:
+            break
+        updates = spark.createDataFrame(rows, found.schema)
+        fields = source_fields(updates.schema[SEQUENCE].dataType)
+        on = " AND ".join(
+            [f"t.`{k}` <=> u.`{k}`" for k in keys]
+            + [f"t.`{SEQUENCE}`.`{f}` <=> u.`{SEQUENCE}`.`{f}`" for f in fields]
+        )
+        sets: dict[str, Column] = {}
+        for c in spec.toasted_columns:
+            take = F.col(f"u.`_take_{c}`")
+            sets[c] = F.when(take, F.col(f"u.`_value_{c}`")).otherwise(F.col(f"t.`{c}`"))
+            flag = unknown_flag(c)
+            sets[flag] = F.when(take, F.col(f"u.`_unknown_{c}`")).otherwise(F.col(f"t.`{flag}`"))
+        with commit_metadata(spark, {**run_metadata, MOVED_ROWS: True}):
+            table.alias("t").merge(updates.alias("u"), on).whenMatchedUpdate(set=sets).execute()
+        filled += len(rows)
+        done.append(updates.select(*keys, SEQUENCE))
+        touched = updates.select(*keys).distinct()
+    if not done:
+        return MovedVersions(0, None)
+    return MovedVersions(filled, functools.reduce(DataFrame.unionByName, done))
+
+
+def _fills(history: DataFrame, spec: TableSpec, touched: DataFrame) -> DataFrame:
+    """The versions whose TOASTed values differ from what their life's move gives them: per
+    version its key and sequence, and per column whether to take (`_take_C`) the value
+    (`_value_C`) and flag (`_unknown_C`) the move gives. Moves whose new or old key is among
+    `touched` only."""
+    keys = list(spec.primary_key)
+    # On the old key's fields, never null in a move: Delta skips the files without one.
+    began = functools.reduce(
+        lambda a, b: a & b, [F.col(f"{MOVED_FROM}.`{k}`").isNotNull() for k in keys]
+    )
+    moves = history.where(began).select(*keys, F.col(SEQUENCE).alias("_moved_at"), MOVED_FROM)
+    old_touched = touched.select(*[F.col(k).alias(f"_old_{k}") for k in keys])
+    by_old = moves.join(
+        old_touched,
+        on=[F.col(f"{MOVED_FROM}.`{k}`").eqNullSafe(F.col(f"_old_{k}")) for k in keys],
+        how="left_semi",
+    )
+    relevant = moves.join(touched, on=keys, how="left_semi").unionByName(by_old).distinct()
+    flags = [unknown_flag(c) for c in spec.toasted_columns]
+    # What the old key held just before the move: its newest version before it.
+    held = F.struct(*[F.col(f"o.`{c}`").alias(c) for c in [*spec.toasted_columns, *flags]])
+    given = (
+        relevant.alias("m")
+        .join(
+            history.alias("o"),
+            on=[F.col(f"m.{MOVED_FROM}.`{k}`").eqNullSafe(F.col(f"o.`{k}`")) for k in keys]
+            + [F.col(f"o.{SEQUENCE}") < F.col("m._moved_at")],
+            how="left",
+        )
+        .groupBy(*[F.col(f"m.`{k}`").alias(k) for k in keys], F.col("m._moved_at"))
+        .agg(F.max_by(held, F.col(f"o.{SEQUENCE}")).alias("_given"))
+    )
+    # The life the move began: the new key's versions from it to its next delete, and per
+    # column the first of them that carried a value of its own (the move's stops there).
+    life = given.join(history, on=keys).where(F.col(SEQUENCE) >= F.col("_moved_at"))
+    ends = life.groupBy(*keys, "_moved_at").agg(
+        F.min(F.when(F.col(DELETED), F.col(SEQUENCE))).alias("_ends"),
+        *[
+            F.min(F.when(F.col(has_value(c)), F.col(SEQUENCE))).alias(f"_carried_{c}")
+            for c in spec.toasted_columns
+        ],
+    )
+    versions = life.join(ends, on=[*keys, "_moved_at"]).where(
+        F.col("_ends").isNull() | (F.col(SEQUENCE) <= F.col("_ends"))
+    )
+    columns, takes = [*[F.col(k) for k in keys], F.col(SEQUENCE)], []
+    for c in spec.toasted_columns:
+        carried = F.col(f"_carried_{c}")
+        within = carried.isNull() | (F.col(SEQUENCE) < carried)
+        # No version of the old key before the move, or one whose value was not known: unknown.
+        flag = F.col(f"_given.`{unknown_flag(c)}`")
+        unknown = F.col("_given").isNull() | F.coalesce(flag, F.lit(False))
+        value = F.when(~unknown, F.col(f"_given.`{c}`"))
+        same = F.col(c).eqNullSafe(value) & F.col(unknown_flag(c)).eqNullSafe(unknown)
+        take = within & ~same
+        takes.append(take)
+        columns += [
+            take.alias(f"_take_{c}"),
+            value.alias(f"_value_{c}"),
+            unknown.alias(f"_unknown_{c}"),
+        ]
+    return versions.where(functools.reduce(lambda a, b: a | b, takes)).select(*columns)
