@@ -39,3 +39,14 @@ def has_value(column: str) -> str:
 def value_sequence(column: str) -> str:
     """Mirror column: the sequence of the change that gave toasted `column` its value."""
     return f"_cdc_seq__{column}"
+
+
+# The Kafka coordinates closing the `_cdc_sequence` struct: not where a change stands at its
+# source (a change delivered twice stands in one place).
+KAFKA_FIELDS = ("kafka_partition", "kafka_offset")
+
+
+def source_fields(sequence_type) -> list[str]:
+    """The fields of a `_cdc_sequence` struct type that name a change at its source (a history
+    version's identity)."""
+    return [f.name for f in sequence_type.fields if f.name not in KAFKA_FIELDS]

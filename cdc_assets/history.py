@@ -53,9 +53,11 @@ from cdc_assets.columns import (
     SEQUENCE,
     SOURCE_TS,
     has_value,
+    source_fields,
 )
 from cdc_assets.commits import commit_metadata, delta_log, ledger_commit, retry_on_conflict
 from cdc_assets.config import TableSpec
+from cdc_assets.history_moves import moves_of
 from cdc_assets.merge import (
     DELETION_VECTORS_PROPERTY,
     MERGE_PERSISTENT_DVS,
@@ -68,8 +70,6 @@ from cdc_assets.toast import unknown_flag
 HISTORY_SUFFIX = "__history"
 VALID_FROM, VALID_TO = "_cdc_valid_from", "_cdc_valid_to"
 END_SEQUENCE, CURRENT = "_cdc_end_sequence", "_cdc_current"
-# The Kafka coordinates closing the `_cdc_sequence` struct: not part of a version's identity.
-KAFKA_FIELDS = ("kafka_partition", "kafka_offset")
 # The audit's own columns, under the prefix no source column may take (`cdc_assets.config`).
 AUDIT = "_cdc_audit_"
 IS_VERSION = f"{AUDIT}is_version"  # a history version, not a mirror row
@@ -77,11 +77,6 @@ IS_VERSION = f"{AUDIT}is_version"  # a history version, not a mirror row
 
 def history_name(spec: TableSpec) -> str:
     return f"{spec.name}{HISTORY_SUFFIX}"
-
-
-def source_fields(sequence_type: T.StructType) -> list[str]:
-    """The fields of `_cdc_sequence` that name a change at its source (a version's identity)."""
-    return [f.name for f in sequence_type.fields if f.name not in KAFKA_FIELDS]
 
 
 def data_columns(spec: TableSpec, changes: DataFrame) -> list[str]:
@@ -118,8 +113,10 @@ class HistoryOutcome:
     """What one run did to the history: the hour's versions (distinct key and source sequence),
     how many of them were stored already, the versions the MERGE inserted (Delta's metric, so
     the three can disagree), the stored versions it closed (their key got a newer one) and the
-    stored versions it rewrote in all (closed, split, refilled); its commit's version; and the
-    versions filled from their life's primary-key move afterwards (`history_moves`)."""
+    stored versions it rewrote in all (closed, split, refilled); its commit's version; the
+    primary-key moves the hour's keys take part in (`toasted_columns` only: stored ones whose
+    old or new key the hour touches, and the hour's own), and the versions filled from their
+    life's move afterwards (`history_moves`)."""
 
     versions: int
     known: int
@@ -127,6 +124,7 @@ class HistoryOutcome:
     closed: int
     rewritten: int
     version: int | None
+    moves: int = 0
     filled_from_moves: int = 0
 
 
@@ -136,9 +134,10 @@ class HistoryAudit:
     current version, versions whose end is not the next version's start (an overlap or a gap),
     and the keys whose current live version differs from the mirror's live row (either side
     missing, or a value differing), of `keys` keys; `unknown` current versions with a TOASTed
-    value not known (compared only where both it and the mirror know it); with `delete_mode: hard`, keys the history
-    has deleted that the mirror holds again because an older change ran after the delete (hard
-    deletes converge only in order: reported, not a failure of the history)."""
+    value not known (compared only where both it and the mirror know it); with `delete_mode:
+    hard`, keys the history has deleted that the mirror holds again because an older change
+    ran after the delete (hard deletes converge only in order: reported, not a failure of the
+    history)."""
 
     keys: int
     current_not_one: int
@@ -257,14 +256,14 @@ def _write_once(
     try:
         # The hour's versions counted on the batch itself, apart from the versions derived.
         versions = changes.select(*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)).distinct()
-        counted = (
-            derived.agg(
-                F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
-                F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
-            )
-            .crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
-            .first()
-        )  # one Spark action for the three
+        counts = derived.agg(
+            F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
+            F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
+        ).crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
+        if spec.toasted_columns:  # the moves' lives `history_moves` fills afterwards
+            moves = _moves(spec, table.toDF(), new)
+            counts = counts.crossJoin(moves.agg(F.count(F.lit(1)).alias("moves")))
+        counted = counts.first().asDict()  # one Spark action for them all
         source = derived.select(*columns)
         merge = table.alias("t").merge(source.alias("s"), same_version(keys, fields, key_range))
         if evolving:
@@ -284,9 +283,21 @@ def _write_once(
             closed=int(counted["closed"]) if metrics else 0,
             rewritten=int(metrics.get("num_updated_rows", 0)),
             version=version,
+            moves=int(counted.get("moves", 0)),
         )
     finally:
         derived.unpersist()
+
+
+def _moves(spec: TableSpec, stored: DataFrame, new: DataFrame) -> DataFrame:
+    """The primary-key moves a run's keys take part in (`history_moves` fills their lives'
+    TOASTed values): those stored whose old or new key is one of `new`'s, and `new`'s own; a
+    row each. `toasted_columns` only."""
+    keys = list(spec.primary_key)
+    own = new.where(F.col(MOVED_FROM).isNotNull()).select(*keys)
+    if MOVED_FROM not in stored.columns:  # a history written before moves were followed
+        return own
+    return moves_of(stored, spec, new.select(*keys).distinct()).select(*keys).unionByName(own)
 
 
 def same_version(keys: list[str], fields: list[str], key_range: Mapping[str, tuple]) -> Column:

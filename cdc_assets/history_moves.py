@@ -26,10 +26,9 @@ from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.columns import DELETED, MOVED_FROM, SEQUENCE, has_value
+from cdc_assets.columns import DELETED, MOVED_FROM, SEQUENCE, has_value, source_fields
 from cdc_assets.commits import MOVED_ROWS, commit_metadata
 from cdc_assets.config import TableSpec
-from cdc_assets.history import source_fields
 from cdc_assets.toast import unknown_flag
 
 # Passes per run: one per link of a chain of moves (as `toast.resolve_moves`).
@@ -50,8 +49,9 @@ def follow_moves(
 ) -> MovedVersions:
     """Fills the TOASTed values of the versions at `path` whose life began with a move the
     hour's keys (`changes`) are part of, and along chains of moves from there; see the module
-    docstring."""
-    if not spec.toasted_columns or not DeltaTable.isDeltaTable(spark, path):
+    docstring. The history's MERGE counts those moves (`HistoryOutcome.moves`): the caller
+    skips this where there are none, as most hours have."""
+    if not spec.toasted_columns:
         return MovedVersions(0, None)
     table = DeltaTable.forPath(spark, path)
     if MOVED_FROM not in table.toDF().columns:
@@ -89,11 +89,9 @@ def follow_moves(
     return MovedVersions(filled, functools.reduce(DataFrame.unionByName, done))
 
 
-def _fills(history: DataFrame, spec: TableSpec, touched: DataFrame) -> DataFrame:
-    """The versions whose TOASTed values differ from what their life's move gives them: per
-    version its key and sequence, and per column whether to take (`_take_C`) the value
-    (`_value_C`) and flag (`_unknown_C`) the move gives. Moves whose new or old key is among
-    `touched` only."""
+def moves_of(history: DataFrame, spec: TableSpec, touched: DataFrame) -> DataFrame:
+    """The versions of `history` a primary-key move began whose new or old key is among
+    `touched`' keys: the new key, the move's sequence (`_moved_at`) and the old key."""
     keys = list(spec.primary_key)
     # On the old key's fields, never null in a move: Delta skips the files without one.
     began = functools.reduce(
@@ -106,7 +104,16 @@ def _fills(history: DataFrame, spec: TableSpec, touched: DataFrame) -> DataFrame
         on=[F.col(f"{MOVED_FROM}.`{k}`").eqNullSafe(F.col(f"_old_{k}")) for k in keys],
         how="left_semi",
     )
-    relevant = moves.join(touched, on=keys, how="left_semi").unionByName(by_old).distinct()
+    return moves.join(touched, on=keys, how="left_semi").unionByName(by_old).distinct()
+
+
+def _fills(history: DataFrame, spec: TableSpec, touched: DataFrame) -> DataFrame:
+    """The versions whose TOASTed values differ from what their life's move gives them: per
+    version its key and sequence, and per column whether to take (`_take_C`) the value
+    (`_value_C`) and flag (`_unknown_C`) the move gives. Moves whose new or old key is among
+    `touched` only."""
+    keys = list(spec.primary_key)
+    relevant = moves_of(history, spec, touched)
     flags = [unknown_flag(c) for c in spec.toasted_columns]
     # What the old key held just before the move: its newest version before it.
     held = F.struct(*[F.col(f"o.`{c}`").alias(c) for c in [*spec.toasted_columns, *flags]])

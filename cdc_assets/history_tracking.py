@@ -48,6 +48,7 @@ from cdc_assets.columns import (
     OP,
     SEQUENCE,
     has_value,
+    source_fields,
 )
 from cdc_assets.commits import delta_log, retry_on_conflict
 from cdc_assets.config import TableSpec
@@ -62,7 +63,6 @@ from cdc_assets.history import (
     execute_recorded,
     history_name,
     same_version,
-    source_fields,
 )
 from cdc_assets.merge import MirrorSettingError, fill_defaults, table_properties
 from cdc_assets.toast import unknown_flag

@@ -67,7 +67,7 @@ from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
 from cdc_assets.history import audit_history, data_columns, history_name, write_history
-from cdc_assets.history_moves import follow_moves
+from cdc_assets.history_moves import MovedVersions, follow_moves
 from cdc_assets.history_tracking import (
     changes_name,
     check_tracking,
@@ -354,8 +354,10 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         defaults=applied.defaults,
         s3_client=lake.s3_client(),
     )
-    moved = follow_moves(ctx.spark, spec, per_change, applied.changes, applied.commit)
     touched = applied.changes
+    moved = MovedVersions(0, None)
+    if outcome.moves:
+        moved = follow_moves(ctx.spark, spec, per_change, applied.changes, applied.commit)
     if moved.versions is not None:  # moved keys may lie outside the hour's key range
         outcome = replace(outcome, filled_from_moves=moved.filled)
         keys = [*spec.primary_key, SEQUENCE]

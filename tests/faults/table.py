@@ -242,7 +242,7 @@ def history_differences(
     twice is one version, kept with whichever coordinates). `folded`: against
     `demo.reference.tracked_history` (a table with tracked columns). Returns what differs, []
     when nothing does."""
-    from cdc_assets.history import source_fields  # tests: imported where used
+    from cdc_assets.columns import source_fields  # tests: imported where used
 
     reference = tracked_history if folded else history_reference
     expected = reference(spec_, [(p, o, v, k, h) for p, o, v, k, _, h in records])
