@@ -342,8 +342,10 @@ def execute_recorded(
 
 
 def _filled(spec: TableSpec) -> list[str]:
-    """The columns a run fills in again (TOASTed values and their flags)."""
-    return [name for c in spec.toasted_columns for name in (c, unknown_flag(c))]
+    """The columns a run fills in again (TOASTed values and their flags, and the old key of a
+    move a history written before moves were followed lacks)."""
+    filled = [name for c in spec.toasted_columns for name in (c, unknown_flag(c))]
+    return [*filled, MOVED_FROM] if spec.toasted_columns else filled
 
 
 def _schema(spec: TableSpec, new: DataFrame, columns: list[str]) -> T.StructType:
@@ -438,6 +440,8 @@ def _derived(
     # One row per version: the lowest Kafka coordinates' (a stored row on a tie).
     ranked = Window.partitionBy(*identity).orderBy(F.col(SEQUENCE), F.col("_new"))
     per_version = Window.partitionBy(*identity)
+    if MOVED_FROM in both.columns:  # whichever delivery (or run) saw the header
+        both = both.withColumn(MOVED_FROM, F.first(MOVED_FROM, ignorenulls=True).over(per_version))
     one = (
         both.withColumn("_rank", F.row_number().over(ranked))
         .withColumn("_any_new", F.max(F.col("_new").cast("int")).over(per_version) == 1)
@@ -477,6 +481,11 @@ def _derived(
         flag = unknown_flag(c)  # none yet in a history written before c was toasted
         known = ~F.coalesce(F.col(flag), F.lit(False)) if flag in derived.columns else F.lit(True)
         carries = F.coalesce(F.col(has_value(c)), F.lit(True)) | (F.col("_boundary") & known)
+        if flag in derived.columns and MOVED_FROM in derived.columns:
+            # A stored version a move began passes on the value `history_moves` gave it (an
+            # hour's version has no flag yet): nothing before it in its life can change it.
+            given = F.col(MOVED_FROM).isNotNull() & F.coalesce(~F.col(flag), F.lit(False))
+            carries = carries | given
         carried = F.last(F.when(carries, F.struct(F.col(c).alias("v"))), True)
         newest = carried.over(upto)
         derived = derived.withColumn(c, newest["v"]).withColumn(unknown_flag(c), newest.isNull())

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 from delta.tables import DeltaTable
+from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import (
@@ -111,12 +112,20 @@ def refold_history(
     deletion_vectors = str(spec.deletion_vectors).lower()
     if copy:
         # One commit: a changes' table that exists is a whole copy (what a rerun relies on).
-        (
-            changes.writeTo(_identifier(changes_path))
-            .using("delta")
-            .tableProperty(DELETION_VECTORS_PROPERTY, deletion_vectors)
-            .create()
-        )
+        try:
+            (
+                changes.writeTo(_identifier(changes_path))
+                .using("delta")
+                .tableProperty(DELETION_VECTORS_PROPERTY, deletion_vectors)
+                .create()
+            )
+        except AnalysisException as exc:
+            reason = str(exc).splitlines()[0]
+            raise RefoldError(
+                f"table '{spec.name}': could not copy the history to {changes_path} ({reason}); "
+                "if a refold stopped before its copy's commit left files there without a Delta "
+                "log, remove that folder and run this again"
+            ) from exc
         changes = spark.read.format("delta").load(changes_path)
     # One commit: the versions and the setting they were folded by.
     (

@@ -355,11 +355,11 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         s3_client=lake.s3_client(),
     )
     touched = applied.changes
-    moved = MovedVersions(0, None)
+    moved = MovedVersions(0, None, None)
     if outcome.moves:
         moved = follow_moves(ctx.spark, spec, per_change, applied.changes, applied.commit)
     if moved.versions is not None:  # moved keys may lie outside the hour's key range
-        outcome = replace(outcome, filled_from_moves=moved.filled)
+        outcome = replace(outcome, filled_from_moves=moved.filled, version=moved.version)
         keys = [*spec.primary_key, SEQUENCE]
         touched = touched.select(*keys).unionByName(moved.versions.select(*keys))
         bounds = {}

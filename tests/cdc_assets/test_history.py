@@ -38,9 +38,11 @@ from cdc_assets.history import (
     audit_history,
     write_history,
 )
+from cdc_assets.history_moves import follow_moves
 from cdc_assets.history_refold import RefoldError, refold_history
 from cdc_assets.history_tracking import check_tracking, fold_history
 from cdc_assets.merge import MirrorSettingError
+from cdc_assets.toast import unknown_flag
 from tests.support import accounts_spec
 
 pytestmark = pytest.mark.integration
@@ -82,8 +84,9 @@ def _schema(toasted: bool) -> T.StructType:
     )
 
 
-def _change(op, row_id, lsn, *, offset=None, name=None, balance=None, carried=True):
-    """A decoded change (as the decoder's frame holds it) at `lsn` seconds after T0."""
+def _change(op, row_id, lsn, *, offset=None, name=None, balance=None, carried=True, moved=None):
+    """A decoded change (as the decoder's frame holds it) at `lsn` seconds after T0; `moved`:
+    the old id of a create a primary-key update made (toasted frames only)."""
     offset = lsn if offset is None else offset
     return {
         "id": row_id,
@@ -97,6 +100,7 @@ def _change(op, row_id, lsn, *, offset=None, name=None, balance=None, carried=Tr
         HOUR: "2026-11-04-08:00",
         DELETED: op == "d",
         "_carried": carried,
+        "_moved": None if moved is None else (moved,),
     }
 
 
@@ -105,7 +109,7 @@ def _frame(spark, changes, toasted=False):
     for c in changes:
         row = [c[f] for f in ("id", "name", "balance", OP, SEQUENCE, SOURCE_TS)]
         row += [c[KAFKA_PARTITION], c[KAFKA_OFFSET], c[HOUR], c[DELETED]]
-        rows.append((*row, c["_carried"], None) if toasted else tuple(row))
+        rows.append((*row, c["_carried"], c["_moved"]) if toasted else tuple(row))
     return spark.createDataFrame(rows, _schema(toasted))
 
 
@@ -441,3 +445,60 @@ def test_refold_folds_the_history_again_under_a_new_setting(spark, tmp_path):
     spark.read.format("delta").load(plain).write.format("delta").save(whole)
     resumed = refold_history(spark, balance_only, plain, whole)
     assert (resumed.copied, resumed.changes, resumed.versions) == (False, 5, 4)
+
+
+def test_moved_rows_take_the_old_keys_value_along_chains_and_overlaps(spark, tmp_path):
+    """`history_moves.follow_moves`: a chain of moves 1 -> 2 -> 3 fills every moved life from
+    the key before it, a run that stopped between its passes is completed by the next, and two
+    moves into one key whose delete between them has not arrived fill a life each."""
+    spec, path = _spec(toasted_columns=("name",)), str(tmp_path / "accounts__history")
+    run = {"hour": "2026-11-04-08:00", "run": 1, "slice": {}}
+
+    def hour(changes, n):
+        _write(spark, spec, path, changes, run=n, toasted=True)
+        return follow_moves(spark, spec, path, _frame(spark, changes, toasted=True), run)
+
+    def names(*ids):
+        rows = spark.read.format("delta").load(path).where(F.col("id").isin(*ids))
+        rows = rows.orderBy(SEQUENCE).collect()
+        return [
+            (r["id"], r[SEQUENCE]["source_lsn"], r["name"], r[unknown_flag("name")]) for r in rows
+        ]
+
+    chain = [
+        _change("c", 1, 10, name="v"),
+        _change("d", 1, 20, carried=False),
+        _change("c", 2, 21, carried=False, moved=1),
+        _change("u", 2, 30, carried=False),
+        _change("d", 2, 40, carried=False),
+        _change("c", 3, 41, carried=False, moved=2),
+    ]
+    # Both moves are the hour's: the second is filled again once the first filled key 2.
+    assert hour(chain, 1).filled == 4
+    assert names(2, 3) == [(2, 21, "v", False), (2, 30, "v", False), (2, 40, "v", False),
+                           (3, 41, "v", False)]  # fmt: skip
+    # As if the run had died after its first pass: the next run touching key 1 still goes on.
+    DeltaTable.forPath(spark, path).update(
+        F.col("id") == 3, {"name": F.lit(None), unknown_flag("name"): F.lit(True)}
+    )
+    assert hour([_change("u", 1, 15, carried=False)], 2).filled == 1
+    assert names(3) == [(3, 41, "v", False)]
+
+    # Two moves into key 8, the delete between them not arrived yet: a life each.
+    overlap = [
+        _change("c", 7, 50, name="a"),
+        _change("d", 7, 60, carried=False),
+        _change("c", 8, 61, carried=False, moved=7),
+        _change("u", 8, 65, carried=False),
+        _change("c", 9, 5, name="b"),
+        _change("d", 9, 79, carried=False),
+        _change("c", 8, 80, carried=False, moved=9),
+        _change("u", 8, 85, carried=False),
+    ]
+    assert hour(overlap, 3).filled == 4
+    expected = [(8, 61, "a", False), (8, 65, "a", False), (8, 80, "b", False), (8, 85, "b", False)]
+    assert names(8) == expected
+    # The delete arrives: it takes its life's value, the life after it keeps the move's.
+    moved = hour([_change("d", 8, 70, carried=False)], 4)
+    assert moved.filled == 0
+    assert names(8) == [*expected[:2], (8, 70, "a", False), *expected[2:]]
