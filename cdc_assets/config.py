@@ -9,7 +9,9 @@ other setting, `shop_analytics`, switches the demo shop's analytics on (`TablesF
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal, localcontext
@@ -852,3 +854,16 @@ def load_tables_file(path: str | Path = DEFAULT_TABLES_FILE) -> TablesFile:
 def load_tables(path: str | Path = DEFAULT_TABLES_FILE) -> list[TableSpec]:
     """Loads and validates the tables file at `path`; its tables."""
     return load_tables_file(path).tables
+
+
+def named_table(name: str, environ: Mapping[str, str] = os.environ) -> tuple[TableSpec, str]:
+    """A command's `--table`: the table `name` of the tables file `CDC_TABLES_FILE` names (the
+    default file without it), and that file's path; TableConfigError, listing the file's
+    tables, when it has none of that name."""
+    tables_file = str(environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE))
+    specs = {s.name: s for s in load_tables(tables_file)}
+    if name not in specs:
+        raise TableConfigError(
+            f"no table '{name}' in the tables file {tables_file}; tables: {sorted(specs)}"
+        )
+    return specs[name], tables_file

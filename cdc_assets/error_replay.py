@@ -34,11 +34,9 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.config import (
-    DEFAULT_TABLES_FILE,
-    TABLES_FILE_ENV,
     TableConfigError,
     TableSpec,
-    load_tables,
+    named_table,
 )
 from cdc_assets.hours import parse_hour_key
 from cdc_assets.sealing import is_sealed, unseal_rows
@@ -158,16 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{' and '.join(missing)} not set; set them as the deployment does (the broker's "
             "bootstrap servers, the lake's root folder or s3:// prefix)"
         )
-    tables_file = os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)
     try:
-        specs = {s.name: s for s in load_tables(tables_file)}
+        spec, tables_file = named_table(args.table)
     except TableConfigError as exc:
         parser.error(str(exc))
-    if args.table not in specs:
-        parser.error(
-            f"no table '{args.table}' in the tables file {tables_file}; tables: {sorted(specs)}"
-        )
-    spec = specs[args.table]
     try:
         # Resolved as a run resolves them: the secrets' dg.EnvVar read here, never printed.
         with dg.build_resources(replay_resources()) as resources:

@@ -38,11 +38,9 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import (
-    DEFAULT_TABLES_FILE,
-    TABLES_FILE_ENV,
     TableConfigError,
     TableSpec,
-    load_tables,
+    named_table,
 )
 from cdc_assets.history import history_name
 from cdc_assets.history_tracking import (
@@ -170,16 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.environ.get(LAKE_ROOT_ENV):
         parser.error(f"{LAKE_ROOT_ENV} not set; set it as the deployment does (the lake's root)")
-    tables_file = os.environ.get(TABLES_FILE_ENV, DEFAULT_TABLES_FILE)
     try:
-        specs = {s.name: s for s in load_tables(tables_file)}
+        spec, tables_file = named_table(args.table)
     except TableConfigError as exc:
         parser.error(str(exc))
-    if args.table not in specs:
-        parser.error(
-            f"no table '{args.table}' in the tables file {tables_file}; tables: {sorted(specs)}"
-        )
-    spec = specs[args.table]
     if not spec.history:
         parser.error(f"table '{spec.name}' keeps no history (history: true in {tables_file})")
     resources = resources_from_env()
