@@ -68,18 +68,29 @@ def follow_moves(
     keys = list(spec.primary_key)
     # The first pass: the moves into and out of the hour's keys; each next one, the moves out
     # of the keys the pass before moved into, whether it changed them or not (a run that died
-    # between passes is completed by running the hour again).
+    # between passes is completed by running the hour again), but a move already followed only
+    # when its old key changed since (a cycle of moves ends).
     candidates = moves_of(table.toDF(), spec, changes.select(*keys).distinct())
-    filled, done = 0, []
+    filled, done, followed, changed = 0, [], set(), set()
+
+    def move(row) -> tuple:
+        return tuple(row[k] for k in keys), row["_moved_at"]
+
+    def old_key(row) -> tuple:
+        return tuple(row[MOVED_FROM][k] for k in keys)
+
     for _ in range(_MAX_PASSES):
         # Taken to the driver: a frame over the table would be computed again after the MERGE
         # (Delta refreshes what reads a table it writes), and a move's versions are few.
-        moves = candidates.collect()
+        found_moves = candidates.collect()
+        moves = [m for m in found_moves if move(m) not in followed or old_key(m) in changed]
         if not moves:
             break
+        followed |= {move(m) for m in moves}
         moves_frame = spark.createDataFrame(moves, candidates.schema)
         found = _fills(table.toDF(), spec, moves_frame)
         rows = found.collect()
+        changed = {tuple(r[k] for k in keys) for r in rows}
         if rows:
             updates = spark.createDataFrame(rows, found.schema)
             _merge(spark, table, spec, updates, run_metadata)
@@ -87,13 +98,12 @@ def follow_moves(
             done.append(updates.select(*keys, SEQUENCE))
         candidates = _out_of(_moves(table.toDF(), spec), spec, moves_frame.select(*keys))
     else:
-        if candidates.limit(1).collect():
-            _log.warning(
-                "table '%s': its history's moves form a chain longer than %d links (or a "
-                "cycle); the versions past them keep what they have until a later run",
-                spec.name,
-                _MAX_PASSES,
-            )
+        _log.warning(
+            "table '%s': its history's moves form a chain longer than %d links; the versions "
+            "past them keep what they have until a later run follows it on",
+            spec.name,
+            _MAX_PASSES,
+        )
     if not done:
         return MovedVersions(0, None, None)
     version = table.history(1).select("version").first()[0]

@@ -447,10 +447,11 @@ def test_refold_folds_the_history_again_under_a_new_setting(spark, tmp_path):
     assert (resumed.copied, resumed.changes, resumed.versions) == (False, 5, 4)
 
 
-def test_moved_rows_take_the_old_keys_value_along_chains_and_overlaps(spark, tmp_path):
+def test_moved_rows_take_the_old_keys_value_along_chains_and_overlaps(spark, tmp_path, caplog):
     """`history_moves.follow_moves`: a chain of moves 1 -> 2 -> 3 fills every moved life from
-    the key before it, a run that stopped between its passes is completed by the next, and two
-    moves into one key whose delete between them has not arrived fill a life each."""
+    the key before it, a run that stopped between its passes is completed by the next, two
+    moves into one key whose delete between them has not arrived fill a life each, and moves
+    back and forth between two keys end their passes."""
     spec, path = _spec(toasted_columns=("name",)), str(tmp_path / "accounts__history")
     run = {"hour": "2026-11-04-08:00", "run": 1, "slice": {}}
 
@@ -502,3 +503,19 @@ def test_moved_rows_take_the_old_keys_value_along_chains_and_overlaps(spark, tmp
     moved = hour([_change("d", 8, 70, carried=False)], 4)
     assert moved.filled == 0
     assert names(8) == [*expected[:2], (8, 70, "a", False), *expected[2:]]
+
+    # Key 20 moves to 21, and later back: each life takes the value, and the passes end.
+    back_and_forth = [
+        _change("c", 20, 200, name="p"),
+        _change("d", 20, 210, carried=False),
+        _change("c", 21, 211, carried=False, moved=20),
+        _change("d", 21, 220, carried=False),
+        _change("c", 20, 221, carried=False, moved=21),
+        _change("u", 20, 230, carried=False),
+    ]
+    assert hour(back_and_forth, 5).filled == 4
+    assert [(i, lsn, name) for i, lsn, name, _ in names(20, 21)] == [
+        (20, 200, "p"), (20, 210, "p"), (21, 211, "p"), (21, 220, "p"), (20, 221, "p"),
+        (20, 230, "p"),
+    ]  # fmt: skip
+    assert "chain longer" not in caplog.text
