@@ -20,12 +20,14 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from delta import exceptions as delta_errors
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from cdc_assets.columns import DELETED, SOURCE_TS
 from cdc_assets.config import TableSpec
@@ -99,8 +101,11 @@ def commit_metadata_text(metadata: dict) -> str:
 
 
 @contextmanager
-def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
-    """Attaches `metadata` to the Delta commits made inside the block."""
+def commit_metadata(spark: SparkSession, metadata: dict | None) -> Iterator[None]:
+    """Attaches `metadata` to the Delta commits made inside the block (None: none)."""
+    if metadata is None:
+        yield
+        return
     spark.conf.set(COMMIT_METADATA_CONF, commit_metadata_text(metadata))
     try:
         yield
@@ -109,6 +114,17 @@ def commit_metadata(spark: SparkSession, metadata: dict) -> Iterator[None]:
 
 
 LEDGER_OPERATION = "SET TBLPROPERTIES"
+
+# Marks a commit a run makes before its MERGE (the table created, a column added and filled, a
+# setting applied): it carries the run's record, so the log tells which run made it, under this
+# key naming the step. It does not record the run: a run that stopped after it ran nothing of
+# its hour (`hour_history` leaves such commits out).
+PREPARES = "prepares"
+
+
+def prepared(run_metadata: dict | None, step: str) -> dict | None:
+    """The commit metadata of a step before a run's MERGE (`PREPARES`); None: no run."""
+    return None if run_metadata is None else {**run_metadata, PREPARES: step}
 
 
 def ledger_commit(spark: SparkSession, path: str) -> None:
@@ -175,6 +191,43 @@ def mirror_newest_ms(spark: SparkSession, path: str, version: int) -> int | None
     )
 
 
+CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
+
+
+@dataclass(frozen=True)
+class StoredTable:
+    """A Delta table as its log describes it now: its schema (None: no table yet) and its
+    properties (values lowercased)."""
+
+    schema: T.StructType | None
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+def stored_table(spark: SparkSession, path: str, ledger: DeltaLog | None = None) -> StoredTable:
+    """The table at `path` as its log describes it: read without Spark where the lake allows
+    (`DeltaLog.table_metadata`), else through Spark (`DeltaTable`, SHOW TBLPROPERTIES)."""
+    ledger = ledger or delta_log(path)
+    if ledger is not None and hasattr(ledger, "table_metadata"):  # TEMPORARY
+        metadata = ledger.table_metadata()
+        if metadata is not None:
+            properties = {k: str(v).strip().lower() for k, v in metadata.configuration.items()}
+            return StoredTable(T.StructType.fromJson(metadata.schema), properties)
+        if ledger.latest_version() is None:
+            return StoredTable(None)
+        # A log the reader doesn't read faithfully (a v2 checkpoint): Spark reads it.
+    if not DeltaTable.isDeltaTable(spark, path):
+        return StoredTable(None)
+    return StoredTable(DeltaTable.forPath(spark, path).toDF().schema, table_properties(spark, path))
+
+
+def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
+    """A Delta table's properties as Spark reads them (lowercased values): a command, no job.
+    `stored_table` reads them without Spark where the lake allows."""
+    quoted = path.replace("`", "``")
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{quoted}`").collect()
+    return {row["key"]: str(row["value"]).strip().lower() for row in rows}
+
+
 def current_version(spark: SparkSession, path: str, ledger: DeltaLog | None = None) -> int:
     """The table's newest version."""
     ledger = ledger or delta_log(path)
@@ -204,7 +257,7 @@ def spark_hour_history(spark: SparkSession, path: str) -> tuple[int | None, list
             meta = json.loads(row["userMetadata"] or "null")
         except ValueError:
             continue
-        if isinstance(meta, dict) and "slice" in meta:
+        if isinstance(meta, dict) and "slice" in meta and PREPARES not in meta:
             history.append({"version": row["version"], **meta})
     return max(row["version"] for row in rows), history
 
@@ -242,6 +295,21 @@ def refreshed_to(
             return {}
         return {p: offsets["end"] for p, offsets in parts.items()}
     return {}
+
+
+def applied_before(history: list[dict], hour_key: str, recorded_slice: dict) -> bool:
+    """Whether a run on record read this hour closed, over exactly `recorded_slice`, and
+    committed it: then each of the slice's changes was applied or found stale then, and the
+    newer-wins rule keeps every one stale now (a replay). Only a run's own records count
+    (`hour_history` leaves out the commits that prepare a MERGE), so a run that stopped before
+    its MERGE is not taken for one that applied its hour."""
+    recorded_slice = json.loads(json.dumps(recorded_slice))  # as the log holds it
+    for commit in history:  # newest first
+        if commit.get("hour") != hour_key or commit.get("partial") or "read_from" in commit:
+            continue
+        if commit.get("slice") == recorded_slice:
+            return True
+    return False
 
 
 def known_starts(

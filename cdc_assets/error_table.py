@@ -13,7 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets.columns import ERROR, KAFKA_OFFSET, KAFKA_PARTITION
-from cdc_assets.commits import retry_on_conflict
+from cdc_assets.commits import delta_log, retry_on_conflict, stored_table
 from cdc_assets.config import TableSpec
 from cdc_assets.sealing import check_error_table, error_table_schema
 
@@ -40,15 +40,25 @@ def write_errors(
     *,
     hour_key: str,
     ingested_at,
+    s3_client=None,
 ) -> None:
-    """Adds bad records to `spec`'s error table once each, keyed by their Kafka coordinates.
+    """Adds bad records to `spec`'s error table once each, keyed by their Kafka coordinates:
+    one MERGE (the table is created first when its log shows none; `s3_client` reads an S3
+    lake's log).
 
     A table with sensitive columns has its `key` and `value` sealed (`cdc_assets.sealing`);
     rows are never added to an error table sealed otherwise (`check_error_table`)."""
     sealed = bool(spec.sensitive)
     retry_on_conflict(
         lambda: _write_errors_once(
-            spark, spec, path, errors, hour_key=hour_key, ingested_at=ingested_at, sealed=sealed
+            spark,
+            spec,
+            path,
+            errors,
+            hour_key=hour_key,
+            ingested_at=ingested_at,
+            sealed=sealed,
+            s3_client=s3_client,
         ),
         table=spec.error_table_name,
         path=path,
@@ -64,6 +74,7 @@ def _write_errors_once(
     hour_key: str,
     ingested_at,
     sealed: bool,
+    s3_client,
 ) -> None:
     rows = errors.select(
         F.col("topic"),
@@ -77,10 +88,13 @@ def _write_errors_once(
         F.lit(ingested_at).cast("timestamp").alias("ingested_at"),
     )
     schema = error_table_schema(ERROR_TABLE_SCHEMA, sealed=sealed)
-    table = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
-    check_error_table(table.toDF().schema, table=spec.name, path=path, sealed=sealed)
+    stored = stored_table(spark, path, delta_log(path, s3_client)).schema
+    if stored is None:
+        DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
+    check_error_table(stored or schema, table=spec.name, path=path, sealed=sealed)
     (
-        table.alias("t")
+        DeltaTable.forPath(spark, path)
+        .alias("t")
         .merge(
             rows.alias("s"),
             "t.topic = s.topic AND t.partition = s.partition AND t.offset = s.offset",

@@ -37,6 +37,7 @@ from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
+from cdc_assets.commits import table_properties
 from cdc_assets.config import (
     TableConfigError,
     TableSpec,
@@ -50,7 +51,7 @@ from cdc_assets.history_tracking import (
     tracking,
     tracking_text,
 )
-from cdc_assets.merge import DELETION_VECTORS_PROPERTY, table_properties
+from cdc_assets.merge import DELETION_VECTORS_PROPERTY
 from resources.environment import LAKE_ROOT_ENV, resources_from_env
 
 

@@ -50,7 +50,7 @@ from cdc_assets.columns import (
     has_value,
     source_fields,
 )
-from cdc_assets.commits import delta_log, retry_on_conflict
+from cdc_assets.commits import delta_log, retry_on_conflict, stored_table
 from cdc_assets.config import TableSpec
 from cdc_assets.history import (
     AUDIT,
@@ -64,7 +64,7 @@ from cdc_assets.history import (
     history_name,
     same_version,
 )
-from cdc_assets.merge import MirrorSettingError, fill_defaults, table_properties
+from cdc_assets.merge import MirrorSettingError, fill_defaults
 from cdc_assets.toast import unknown_flag
 
 CHANGES_SUFFIX = "__history_changes"
@@ -125,10 +125,11 @@ def check_tracking(
     than the table's (turned on, off, or changed), and a tracked history whose changes' table
     is gone (its folds would lose versions)."""
     wanted = tracking(spec)
-    history = DeltaTable.isDeltaTable(spark, history_path)
+    found = stored_table(spark, history_path, delta_log(history_path, s3_client))
+    history = found.schema is not None
     log = delta_log(changes_path, s3_client)
     changes = log.exists() if log is not None else DeltaTable.isDeltaTable(spark, changes_path)
-    stored = table_properties(spark, history_path).get(TRACKING_PROPERTY) if history else None
+    stored = found.properties.get(TRACKING_PROPERTY) if history else None
     if not history or (stored == wanted and changes == (wanted is not None)):
         return  # a new history (or one whose first fold a crash cut short), or as set
     now = tracking_text(wanted)

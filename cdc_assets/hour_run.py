@@ -5,7 +5,7 @@
     stored = stored_mirror(ctx)      # the mirror's schema; refused if it holds raw masked values
     records = read(ctx, hour)        # in this process for a small slice, by Spark for a large
     changes = decode_hour(ctx, ...)  # typed change rows, bad records marked as errors
-    held = audit(ctx, changes, ...)  # the hard expectations hold failing changes back
+    held = audit(ctx, changes)       # the hard expectations hold failing changes back
     applied = apply(ctx, ...)        # errors to the error table; one guarded MERGE, one commit
     kept = keep_history(ctx, ...)    # `history: true`: every change a version, its own commit
     verdicts = validate(ctx, ...)    # the other expectations, on the hour's newest changes
@@ -14,12 +14,17 @@
 Each stage is a function of the run's `HourContext` and the values the stages before it
 returned. Kept free of Dagster, so the same function serves the asset, tests and benchmarks;
 the asset turns the `HourResult` into materialization metadata and check results.
+
+A small slice, read and decoded in this process, is held in memory (`hour_batch.DriverBatch`):
+its Spark work is its writes (the MERGE; the error table's, when the hour has errors; the
+history's), everything else is counted from the batch, from each write's commit and from the
+tables' logs, read without Spark (DESIGN.md, "The hour's Spark budget").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -27,29 +32,18 @@ from typing import Any
 
 import pyarrow as pa
 from kafka import KafkaConsumer
-from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import toast
 from cdc_assets.checking import AuditVerdict, MirrorChecks
-from cdc_assets.columns import (
-    DELETED,
-    ERROR,
-    KAFKA_OFFSET,
-    KAFKA_PARTITION,
-    OP,
-    SEQUENCE,
-    SHAPE,
-    SOURCE_TS,
-    TALLY,
-    TOMBSTONE,
-    TRUNCATE,
-)
+from cdc_assets.columns import DELETED, SEQUENCE
 from cdc_assets.commits import (
     MIRROR_NEWEST,
     MOVED_ROWS,
+    StoredTable,
+    applied_before,
     commit_metadata,
     current_version,
     delta_log,
@@ -59,6 +53,7 @@ from cdc_assets.commits import (
     recorded_mirror_newest,
     recorded_offsets,
     refreshed_to,
+    stored_table,
     truncate_watermark,
 )
 from cdc_assets.config import TableSpec, typed_default
@@ -75,13 +70,19 @@ from cdc_assets.history_tracking import (
     history_tables,
     per_change_name,
 )
+from cdc_assets.hour_batch import (
+    Applicable,
+    DriverBatch,
+    Latest,
+    SparkBatch,
+    sequence_value,
+)
 from cdc_assets.hours import hour_start, previous_key
 from cdc_assets.ledger import DeltaLog
 from cdc_assets.masking import check_stored_mirror, mask_changes, stored_spec
-from cdc_assets.merge import MergeOutcome, added_columns, merge_changes, mirror_schema
+from cdc_assets.merge import MergeOutcome, added_columns, merge_changes
 from cdc_assets.read import OffsetCensus, count_slice_records, read_slice, read_slice_locally
 from cdc_assets.results import HistoryRun, HourCounts, HourResult, KeyCounts
-from cdc_assets.rule import latest_per_key
 from cdc_assets.slicing import (
     DataLossError,
     HourSlice,
@@ -120,9 +121,9 @@ def run_hour(
     the error table) and validates the newest change per key after it (`cdc_assets.checking`).
 
     A slice of at most `local_read_max_records` records is read and decoded in this process
-    (`read_slice_locally`): no Spark job for the read, and a small hour costs little; a larger
-    one is read by Spark's Kafka source and decoded in Spark's Python workers. Both run the
-    same decoder, so they give the same rows.
+    (`read_slice_locally`) and held there: its Spark work is its writes. A larger one is read
+    by Spark's Kafka source and decoded in Spark's Python workers. Both run the same decoder,
+    so they give the same rows.
 
     Such an hour, when its mirror, error table and history each hold fewer than
     `interpreted_max_bytes` bytes, has Spark evaluate its expressions without generating code
@@ -140,19 +141,19 @@ def run_hour(
         if hour.slice.size == 0 and ctx.version is not None:
             return record_empty(ctx, hour)
         interpreted = interpreted_tables(ctx, hour, interpreted_max_bytes)
-        with (
-            sized_shuffles(
-                spark, hour.slice.size, adaptive=not hour.local, interpreted=interpreted
-            ),
-            _Frames(hour.local) as frames,
+        with sized_shuffles(
+            spark, hour.slice.size, adaptive=not hour.local, interpreted=interpreted
         ):
             stored_schema = stored_mirror(ctx)
             records = read(ctx, hour, consumer)
-            changes = decode_hour(ctx, stored_schema, records, frames)
-            held = audit(ctx, changes, frames)
-            applied = apply(ctx, hour, changes, held, frames)
-            kept = keep_history(ctx, hour, applied)
-            verdicts = validate(ctx, applied)
+            changes = decode_hour(ctx, stored_schema, records)
+            try:
+                held = audit(ctx, changes)
+                applied = apply(ctx, hour, changes, held)
+                kept = keep_history(ctx, hour, applied)
+                verdicts = validate(ctx, applied)
+            finally:
+                changes.batch.release()
         return account(ctx, hour, records, changes, held, applied, verdicts, kept)
 
 
@@ -193,11 +194,11 @@ def plan(
 
 
 def stored_mirror(ctx: HourContext) -> T.StructType | None:
-    """The mirror's schema as stored (None before its first run), refused before anything is
-    read when it (or the table's history) holds raw values of a column the table now masks
-    (`check_stored_mirror`), or when its history was built with other tracked columns
-    (`check_tracking`)."""
-    stored_schema = mirror_schema(ctx.spark, ctx.path)
+    """The mirror's schema as stored (None before its first run; from its log, no Spark),
+    refused before anything is read when it (or the table's history) holds raw values of a
+    column the table now masks (`check_stored_mirror`), or when its history was built with
+    other tracked columns (`check_tracking`)."""
+    stored_schema = ctx.stored.schema
     check_stored_mirror(stored_schema, ctx.path, ctx.spec)
     spec, lake = ctx.spec, ctx.lake
     if spec.history:
@@ -211,7 +212,8 @@ def stored_mirror(ctx: HourContext) -> T.StructType | None:
     if spec.sensitive:  # a history keeps every value: the same rule
         for name in history_tables(spec):
             path = lake.table_path(name)
-            check_stored_mirror(mirror_schema(ctx.spark, path), path, spec, "history")
+            schema = stored_table(ctx.spark, path, delta_log(path, lake.s3_client())).schema
+            check_stored_mirror(schema, path, spec, "history")
     return stored_schema
 
 
@@ -227,7 +229,6 @@ def decode_hour(
     ctx: HourContext,
     stored_schema: T.StructType | None,
     records: DataFrame | pa.RecordBatch,
-    frames: _Frames,
 ) -> DecodedHour:
     """The hour's records decoded and masked, against the mirror as it is stored: the columns
     it gained undeclared, and those the hour brings (`_decode_with_new_columns`)."""
@@ -240,7 +241,6 @@ def decode_hour(
         ctx.masking_key,
         ctx.running(COLUMN_DEFAULTS, {}),
     )
-    frames.track(batch.frame)
     # From here on the spec describes the mirror: hashed columns are strings, dropped ones
     # gone, added ones there.
     stored = stored_spec(ctx.spec)
@@ -254,10 +254,16 @@ def decode_hour(
     )
 
 
-def audit(ctx: HourContext, changes: DecodedHour, frames: _Frames) -> HeldBack:
+def audit(ctx: HourContext, changes: DecodedHour) -> HeldBack:
     """The hard expectations: changes that fail one are held back, into the error table."""
-    held = _hold_back(ctx.spark, changes.spec, changes.batch, ctx.checks, frames.keep)
-    tally = changes.batch.tally
+    batch, tally = changes.batch, changes.batch.tally
+    verdict = batch.audit(ctx.checks, changes.spec)
+    errors, reasons = tally.errors, dict(tally.reasons)
+    if verdict is not None:
+        errors += sum(verdict.reasons.values())
+        for reason, n in verdict.reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    held = HeldBack(verdict, errors, reasons, batch.newest_ms())
     if tally.truncates and changes.spec.on_truncate == "fail":
         _fail_on_truncate(changes.spec, ctx.hour_key, tally)
     if held.errors:
@@ -265,67 +271,65 @@ def audit(ctx: HourContext, changes: DecodedHour, frames: _Frames) -> HeldBack:
     return held
 
 
-def apply(
-    ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack, frames: _Frames
-) -> Applied:
+def apply(ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack) -> Applied:
     """The error rows to the error table; the newest change per key MERGEd into the mirror in
     one commit that records the run; then the moved rows' TOASTed values, a commit of its own
     that carries the run's record, marked (a crash before it is repaired by the next run with
-    changes, which resolves every move still open)."""
-    spec, tally, decoded = changes.spec, changes.batch.tally, held.decoded
+    changes, which resolves every move still open).
+
+    A slice an earlier run on record applied (`commits.applied_before`: a replay) writes
+    neither again: its errors are in the error table, and each of its changes is stale."""
+    spec, tally, batch = changes.spec, changes.batch.tally, changes.batch
     hour_truncate = tally.truncate_sequence if tally.truncates else None
-    good, older_than_truncate = _after_truncates(decoded, ctx.history, hour_truncate)
-    # The hour's keys counted on the batch, apart from the newest-change-per-key step (the
-    # MERGE's source) that Delta counts: the accounting compares the two.
-    distinct_keys = good.select(*spec.primary_key).distinct().count()
-    if held.errors:
+    commit = _run_record(ctx, hour, changes, held, hour_truncate)
+    replayed = applied_before(ctx.history, ctx.hour_key, commit["slice"])
+    good = batch.applicable(truncate_watermark(ctx.history, hour_truncate))
+    if held.errors and not replayed:
         write_errors(
             ctx.spark,
             spec,
             ctx.lake.table_path(spec.error_table_name),
-            decoded.where(F.col(ERROR).isNotNull()),
+            batch.errors(),
             hour_key=ctx.hour_key,
             ingested_at=hour.ingested_at,
+            s3_client=ctx.lake.s3_client(),
         )
-    commit = _run_record(ctx, hour, changes, held, hour_truncate)
-    latest = frames.keep(latest_per_key(good, spec))  # the MERGE's source, the expectations'
+    latest = batch.latest(good, spec)  # the MERGE's source, the expectations' rows
     defaults = fillable_defaults(
         spec, changes.defaults, changes.stored_schema, set(ctx.running(SOURCE_COLUMNS, ()))
     )
-    if not hour.local:
-        latest.count()  # fills the cache once: the queries below read it twice each
     with merge_source(ctx.spark, materialized=not hour.local):
         outcome = merge_changes(
             ctx.spark,
             spec,
             ctx.path,
-            latest,
+            latest.frame,
             ingested_at=hour.ingested_at,
             run_metadata=commit,
             truncate_before=(
                 None
                 if hour_truncate is None
-                else sequence_value(decoded.schema[SEQUENCE].dataType, hour_truncate)
+                else sequence_value(good.frame.schema[SEQUENCE].dataType, hour_truncate)
             ),
             key_range=key_range(spec, tally),
             ledger=ctx.ledger,
             defaults=defaults,
+            source_rows=latest.rows,
+            replayed=replayed,
         )
     version = outcome.recorded_version
     with commit_metadata(ctx.spark, {**commit, MOVED_ROWS: True}):
         if toast.resolve_moves(ctx.spark, spec, ctx.path):
             version = current_version(ctx.spark, ctx.path, ctx.ledger)
     return Applied(
-        spec,
-        outcome,
-        version,
-        latest,
-        distinct_keys,
-        older_than_truncate,
-        commit,
-        good,
-        tally,
-        defaults,
+        spec=spec,
+        outcome=outcome,
+        version=version,
+        latest=latest,
+        good=good,
+        commit=commit,
+        tally=tally,
+        defaults=defaults,
     )
 
 
@@ -347,17 +351,17 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         ctx.spark,
         spec,
         per_change,
-        applied.changes,
+        applied.good.frame,
         ingested_at=hour.ingested_at,
         run_metadata=applied.commit,
         key_range=bounds,
         defaults=applied.defaults,
         s3_client=lake.s3_client(),
     )
-    touched = applied.changes
+    touched = applied.good.frame
     moved = MovedVersions(0, None, None)
     if outcome.moves:
-        moved = follow_moves(ctx.spark, spec, per_change, applied.changes, applied.commit)
+        moved = follow_moves(ctx.spark, spec, per_change, applied.good.frame, applied.commit)
     if moved.versions is not None:  # moved keys may lie outside the hour's key range
         outcome = replace(outcome, filled_from_moves=moved.filled, version=moved.version)
         keys = [*spec.primary_key, SEQUENCE]
@@ -382,23 +386,30 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
         path,
         ctx.path,
         touched,
-        data_columns(spec, applied.changes),
+        data_columns(spec, applied.good.frame),
         bounds,
     )
     return HistoryRun(outcome, audit, folded)
 
 
 def validate(ctx: HourContext, applied: Applied) -> tuple[object, ...]:
-    """The expectations that are not hard, on the hour's newest live change per key."""
-    outcome = applied.outcome
+    """The expectations that are not hard, on the hour's newest live change per key (in memory
+    for a slice held in the driver); the primary key's uniqueness from the MERGE's source rows
+    against the batch's distinct keys (`KeyCounts`)."""
+    outcome, latest = applied.outcome, applied.latest
+    keys = KeyCounts(
+        keys=applied.good.distinct_keys,
+        duplicates=max(0, outcome.merged_keys - applied.good.distinct_keys),
+    )
     return tuple(
         ctx.checks.validate(
             ctx.spark,
             applied.spec,
             ctx.path,
             applied.version,
-            applied.latest.where(~F.col(DELETED)),
-            keys=KeyCounts(keys=outcome.prior.source_rows, duplicates=outcome.duplicate_rows),
+            latest.checked,
+            keys=keys,
+            frame=latest.frame.where(~F.col(DELETED)),
         )
     )
 
@@ -431,13 +442,14 @@ def account(
             tally,
             held.errors,
             outcome,
-            applied.distinct_keys,
-            applied.older_than_truncate,
+            applied.good.distinct_keys,
+            applied.good.older_than_truncate,
             census,
         ),  # fmt: skip
         rows_inserted=outcome.rows_inserted,
         rows_updated=outcome.rows_updated,
         rows_deleted=outcome.rows_deleted,
+        rows_counted_from=outcome.split,
         delta_version=applied.version,
         partial=not hour.slice.closed,
         newest_source_ts=_from_ms(held.newest_ms),
@@ -453,6 +465,7 @@ def account(
         mirror_newest=_from_ms(applied.commit[MIRROR_NEWEST]),
         withheld_columns=changes.withheld if spec.new_columns == "add" else (),
         history=kept,
+        replayed=outcome.replayed,
     )
 
 
@@ -488,7 +501,8 @@ def record_empty(ctx: HourContext, hour: HourPlan) -> HourResult:
 @dataclass(frozen=True)
 class HourContext:
     """One table-hour's run: its resources, table and hour, and the mirror's log as the run
-    found it (`version` None: no mirror yet; `history`: its runs' records, newest first)."""
+    found it (`version` None: no mirror yet; `history`: its runs' records, newest first;
+    `stored`: its schema and settings)."""
 
     spark: SparkSession
     kafka: KafkaResource
@@ -501,6 +515,7 @@ class HourContext:
     ledger: DeltaLog | None
     version: int | None
     history: list[dict]
+    stored: StoredTable
 
     @classmethod
     def start(
@@ -516,8 +531,20 @@ class HourContext:
         path = lake.table_path(spec.name)
         ledger = delta_log(path, lake.s3_client())  # the table's commits, read without Spark
         version, history = hour_history(spark, path, ledger)
+        stored = stored_table(spark, path, ledger)
         return cls(
-            spark, kafka, lake, spec, hour_key, checks, masking_key, path, ledger, version, history
+            spark,
+            kafka,
+            lake,
+            spec,
+            hour_key,
+            checks,
+            masking_key,
+            path,
+            ledger,
+            version,
+            history,
+            stored,
         )
 
     def running(self, name: str, default: Any) -> Any:
@@ -551,11 +578,12 @@ class HourPlan:
 
 @dataclass(frozen=True)
 class DecodedHour:
-    """The decoded hour (`DecodedSlice`), the spec of the mirror it goes into, the mirror's
-    stored schema, and what the hour told of the source's columns: the new ones withheld, the
-    defaults its schemas declare (`connector_defaults`), the defaults it was decoded with."""
+    """The decoded hour (in the driver or in Spark: `hour_batch`), the spec of the mirror it
+    goes into, the mirror's stored schema, and what the hour told of the source's columns: the
+    new ones withheld, the defaults its schemas declare (`connector_defaults`), the defaults it
+    was decoded with."""
 
-    batch: DecodedSlice
+    batch: DriverBatch | SparkBatch
     spec: TableSpec
     stored_schema: T.StructType | None
     withheld: tuple[str, ...]
@@ -564,45 +592,32 @@ class DecodedHour:
 
 
 @dataclass(frozen=True)
+class HeldBack:
+    """The hour after its audit: the hard expectations' verdict, the errors and their reasons
+    (the decoder's and the audit's), and the newest source time of the changes the mirror
+    takes (ms)."""
+
+    audit: AuditVerdict | None
+    errors: int
+    reasons: dict[str, int]
+    newest_ms: int | None
+
+
+@dataclass(frozen=True)
 class Applied:
     """What the MERGE did, the version that recorded the run (the moved rows' commit when there
-    was one), the hour's newest change per key, its distinct keys, the changes older than a
-    truncate, and the run's record."""
+    was one), the hour's changes the mirror took (every one: the history's versions) and their
+    newest per key, the run's record, the tally, and the column defaults rows from before a new
+    column take."""
 
     spec: TableSpec
     outcome: MergeOutcome
     version: int | None
-    latest: DataFrame
-    distinct_keys: int
-    older_than_truncate: int
+    latest: Latest
+    good: Applicable
     commit: dict
-    changes: DataFrame  # the hour's applicable changes, every one (the history's versions)
     tally: Tally
-    defaults: dict[str, Any]  # the column defaults rows from before a new column take
-
-
-class _Frames:
-    """The frames a run caches (a slice Spark read) or just derives (a slice read here: a local
-    relation, cheap to compute again and deterministic, so nothing is cached and the MERGE
-    takes it as it is); released when the run's stages are done."""
-
-    def __init__(self, local: bool) -> None:
-        self.local, self.frames = local, []
-
-    def keep(self, frame: DataFrame) -> DataFrame:
-        frame = frame if self.local else frame.persist(_CACHED)
-        return self.track(frame)
-
-    def track(self, frame: DataFrame) -> DataFrame:
-        self.frames.append(frame)
-        return frame
-
-    def __enter__(self) -> _Frames:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for frame in self.frames:
-            frame.unpersist()
+    defaults: dict[str, Any]
 
 
 def _newer(a: int | None, b: int | None) -> int | None:
@@ -615,12 +630,6 @@ def _from_ms(ms: int | None) -> datetime | None:
 
 class TruncateError(RuntimeError):
     """A truncate event in an hour of a table configured with on_truncate: fail."""
-
-
-def sequence_value(sequence_type: T.StructType, values: list) -> Column:
-    """A literal of the `_cdc_sequence` struct, comparable with the column."""
-    fields = zip(sequence_type.fields, values, strict=True)
-    return F.struct(*[F.lit(v).cast(f.dataType).alias(f.name) for f, v in fields])
 
 
 class SequenceConfigError(RuntimeError):
@@ -718,20 +727,6 @@ def interpreted_tables(ctx: HourContext, hour: HourPlan, max_bytes: int) -> bool
     return all(size is not None and size < max_bytes for size in sizes)
 
 
-def _after_truncates(
-    decoded: DataFrame, history: list[dict], hour_truncate: list | None
-) -> tuple[DataFrame, int]:
-    """The applicable changes newer than the table's newest truncate (this hour's or an earlier
-    one's, recorded in `history`), and how many were older: a change older than a truncate is
-    gone from the source, whenever its hour runs."""
-    good = decoded.where(applicable())
-    watermark = truncate_watermark(history, hour_truncate)
-    if watermark is None:
-        return good, 0
-    bound = sequence_value(decoded.schema[SEQUENCE].dataType, watermark)
-    return good.where(F.col(SEQUENCE) > bound), good.where(F.col(SEQUENCE) < bound).count()
-
-
 def _decode_with_new_columns(
     spark: SparkSession,
     records: DataFrame | pa.RecordBatch,
@@ -740,7 +735,9 @@ def _decode_with_new_columns(
     added: dict[str, str],
     masking_key: HmacKey | None,
     known: dict[str, Any],
-) -> tuple[DecodedSlice, dict[str, str], tuple[str, ...], dict[str, Any], dict[str, Any]]:
+) -> tuple[
+    DriverBatch | SparkBatch, dict[str, str], tuple[str, ...], dict[str, Any], dict[str, Any]
+]:
     """The decoded hour, the undeclared columns the mirror takes (`added`: the ones it gained
     earlier, then any the hour's rows bring under `new_columns: add`), the new ones it
     withholds (a table with sensitive columns: they wait for a declaration, masking.py), the
@@ -766,7 +763,7 @@ def _decode_with_new_columns(
     wider = {**added, **new} if spec.new_columns == "add" and new and not withheld else added
     again = column_defaults(spec, wider, connector)
     if wider != added or again != defaults:
-        batch.frame.unpersist()
+        batch.release()
         batch = _decode(spark, records, spec, hour_key, wider, masking_key, again)
     return batch, wider, withheld, connector, again
 
@@ -827,60 +824,6 @@ def column_defaults(
     return {**typed, **spec.column_defaults()}
 
 
-@dataclass(frozen=True)
-class HeldBack:
-    """The hour after its audit: the decoded changes with the failing ones marked as errors,
-    the errors and their reasons (the decoder's and the audit's), and the newest source time of
-    the changes the mirror takes (ms)."""
-
-    decoded: DataFrame
-    audit: AuditVerdict | None
-    errors: int
-    reasons: dict[str, int]
-    newest_ms: int | None
-
-
-def _hold_back(
-    spark: SparkSession,
-    spec: TableSpec,
-    batch: DecodedSlice,
-    checks: MirrorChecks,
-    keep: Callable[[DataFrame], DataFrame],
-) -> HeldBack:
-    """The audit: the hard expectations hold failing changes back, into the error table."""
-    tally, decoded = batch.tally, batch.frame
-    audit = checks.audit(spark, spec, decoded.where(applicable()))
-    newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
-    errors, reasons = tally.errors, dict(tally.reasons)
-    if audit is None or audit.failed is None:
-        return HeldBack(decoded, audit, errors, reasons, newest_ms)
-    decoded = keep(
-        decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
-        .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
-        .drop("_cdc_expectation")
-    )
-    errors += sum(audit.reasons.values())
-    for reason, n in audit.reasons.items():
-        reasons[reason] = reasons.get(reason, 0) + n
-    # The changes held back are not in the mirror: its newest source time without them.
-    newest_ms = decoded.where(F.col(ERROR).isNull()).agg(F.unix_millis(F.max(SOURCE_TS))).first()[0]
-    return HeldBack(decoded, audit, errors, reasons, newest_ms)
-
-
-def applicable() -> Column:
-    """Decoded changes to rows: not errors, tombstones or truncates."""
-    return F.col(ERROR).isNull() & ~F.col(TOMBSTONE) & (F.col(OP) != TRUNCATE)
-
-
-@dataclass(frozen=True)
-class DecodedSlice:
-    """An hour's records decoded and masked (cached), with what the decoder counted."""
-
-    frame: DataFrame
-    tally: Tally
-    shape: SourceShape
-
-
 def _decode(
     spark: SparkSession,
     records: DataFrame | pa.RecordBatch,
@@ -889,30 +832,19 @@ def _decode(
     added: dict[str, str],
     masking_key: HmacKey | None,
     defaults: dict[str, Any],
-) -> DecodedSlice:
-    """Decodes the slice into a cached frame; one Spark job fills the cache and brings back
-    each batch's tally and shape (so the totals, drift and key range cost no job of their own).
-    Records read in the driver are decoded here, into a local relation.
-    Sensitive columns are masked before anything reads them (cdc_assets/masking.py)."""
+) -> DriverBatch | SparkBatch:
+    """Decodes the slice: records read in the driver into a batch held here (`DriverBatch`,
+    no Spark job); records Spark read into a cached frame, one Spark job filling the cache and
+    bringing back each batch's tally and shape (`SparkBatch`). Sensitive columns are masked
+    before anything reads them (cdc_assets/masking.py)."""
     if isinstance(records, pa.RecordBatch):
-        frame = decode_locally(
-            spark, records, spec, hour_key=hour_key, added_columns=added, defaults=defaults
+        rows, schema = decode_locally(
+            records, spec, hour_key=hour_key, added_columns=added, defaults=defaults
         )
-        frame = mask_changes(frame, spec, masking_key)
-    else:
-        frame = decode(records, spec, hour_key=hour_key, added_columns=added, defaults=defaults)
-        frame = mask_changes(frame, spec, masking_key).persist(_CACHED)
-    rows = frame.where(F.col(TALLY).isNotNull()).select(SHAPE, TALLY).collect()
-    return DecodedSlice(
-        frame,
-        Tally.combine(row[TALLY] for row in rows),
-        SourceShape.combine(row[SHAPE] for row in rows),
-    )
+        return DriverBatch(spark, spec, rows, schema, masking_key)
+    frame = decode(records, spec, hour_key=hour_key, added_columns=added, defaults=defaults)
+    return SparkBatch(spark, spec, mask_changes(frame, spec, masking_key))
 
-
-# A cached hour stays in memory as Spark's columnar batches, not serialized again (what
-# MEMORY_AND_DISK adds for a frame), and spills to disk when memory is short.
-_CACHED = StorageLevel.MEMORY_AND_DISK_DESER
 
 _MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 

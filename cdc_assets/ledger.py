@@ -97,7 +97,7 @@ class DeltaLog:
         history = [
             {"version": c.version, **c.metadata}
             for c in commits
-            if c.metadata is not None and "slice" in c.metadata
+            if c.metadata is not None and "slice" in c.metadata and "prepares" not in c.metadata
         ]
         return (commits[0].version if commits else None), history
 

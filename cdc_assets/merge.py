@@ -1,10 +1,12 @@
 """An hour's newest change per key → the mirror, in one guarded Delta MERGE.
 
 What the MERGE applies is the CDC rule (`cdc_assets.rule`): newer wins, deletes as the table's
-`delete_mode` says. Before it, one Spark aggregation counts what the mirror holds under the hour's
-keys (`prior_rows`): the live rows the hour inserts, updates and deletes, and the rows a key has
-twice. The MERGE's commit carries the run's record (`cdc_assets.commits`); when every change was
-stale, a metadata-only commit records the run instead.
+`delete_mode` says. It is the hour's one Spark query into the mirror: the table's schema and
+settings come from its log (`commits.stored_table`), what the MERGE did from its commit's
+operation metrics and, where the mirror keeps a change data feed, the commit's change rows,
+both read without Spark (`_outcome`). The MERGE's commit carries the run's record
+(`cdc_assets.commits`); when every change was stale, a metadata-only commit records the run
+instead, and a slice an earlier run applied is not MERGEd again (`merge_changes`).
 
 The mirror is created with deletion vectors (unless `deletion_vectors: false`) and the change
 data feed only where `change_data_feed: true`. A MERGE into a mirror smaller than the table's
@@ -20,21 +22,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.compute as pc
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets import rule, toast
-from cdc_assets.columns import DELETED, INGESTED_AT, SEQUENCE, value_sequence
+from cdc_assets.columns import DELETED, INGESTED_AT
 from cdc_assets.commits import (
+    CHANGE_DATA_FEED,
     LEDGER_OPERATION,
+    StoredTable,
     commit_metadata,
     commit_metadata_text,
     current_version,
     delta_log,
     ledger_commit,
+    prepared,
     retry_on_conflict,
+    stored_table,
 )
 from cdc_assets.config import TableSpec, default_json, typed_default
 from cdc_assets.ledger import DeltaLog
@@ -52,57 +59,33 @@ class MirrorSettingError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PriorRows:
-    """The mirror's rows for the hour's keys just before its MERGE, counted against the hour's
-    newest change per key (one Spark job over the key and sequence columns, `prior_rows`).
-
-    `inserted`, `updated` and `deleted` are live rows: a soft delete is an update to Delta and a
-    deleted row to the reader; a change older than the row's is none of them.
-    """
-
-    source_rows: int  # the hour's keys (the MERGE's source rows)
-    new_keys: int  # of them, keys the mirror has no row for: the MERGE must insert these
-    live_rows: int  # live rows of the mirror under the hour's keys
-    duplicate_live_rows: int  # of them, rows of a key with more than one live row
-    inserted: int
-    updated: int
-    deleted: int
-    # Changes the MERGE will write (applied, or filling a TOASTed value); 0: every one is stale.
-    writes: int = 0
-
-
-NO_PRIOR_ROWS = PriorRows(0, 0, 0, 0, 0, 0, 0)
-
-
-@dataclass(frozen=True)
 class MergeOutcome:
-    version: int | None  # the MERGE's commit; None: every change was stale, no data commit
+    """What one run's MERGE did, each figure from Delta's operation metrics read from its
+    commit (`_outcome`), none from a scan of the mirror."""
+
+    version: int | None  # the MERGE's commit; None: nothing newer, no data commit
     merged_keys: int  # the MERGE's source rows: one newest change per key
     applied: int
+    # The live rows inserted, updated and deleted: from the commit's change data where the
+    # mirror keeps a change data feed, else Delta's rows inserted, rewritten and removed
+    # (`split`; docs/checks.md, "Where each count comes from").
     rows_inserted: int
     rows_updated: int
     rows_deleted: int
     # Rows a truncate in the hour deleted (among `rows_deleted`, not `applied`).
     truncated: int = 0
-    # Rows the MERGE inserted (Delta's operation metrics), and what the mirror held before.
+    # Rows the MERGE inserted (Delta's operation metrics).
     rows_added: int = 0
-    prior: PriorRows = NO_PRIOR_ROWS
     # The commit that recorded the run: the MERGE's, or the metadata-only one of a stale hour.
     recorded_version: int | None = None
-
-    @property
-    def duplicate_rows(self) -> int:
-        """Live rows sharing a primary key among the hour's keys once the MERGE committed: the
-        ones there before, and the rows the MERGE inserted for keys the mirror already had
-        (a row it should have matched: a lost race, a pruning bound that missed it)."""
-        return self.prior.duplicate_live_rows + max(0, self.rows_added - self.prior.new_keys)
+    split: str = "merge metrics"
+    # The slice was applied by an earlier run on record (`commits.applied_before`): no MERGE.
+    replayed: bool = False
 
 
-def mirror_schema(spark: SparkSession, path: str) -> T.StructType | None:
-    """The stored mirror's schema, None before its first run."""
-    if not DeltaTable.isDeltaTable(spark, path):
-        return None
-    return DeltaTable.forPath(spark, path).toDF().schema
+# Where `MergeOutcome`'s live rows come from (`split`).
+SPLIT_BY_FEED = "change data feed"
+SPLIT_BY_METRICS = "merge metrics"
 
 
 def added_columns(schema: T.StructType | None, spec: TableSpec) -> dict[str, str]:
@@ -119,38 +102,47 @@ def ensure_mirror_table(
     changes: DataFrame,
     spec: TableSpec,
     defaults: Mapping[str, Any] | None = None,
-) -> DeltaTable:
+    *,
+    stored: StoredTable | None = None,
+    run_metadata: dict | None = None,
+) -> tuple[DeltaTable, T.StructType]:
     """Creates the mirror the first time (deletion vectors on; the change data feed as the
-    table's `change_data_feed` says); new columns come via MERGE.
+    table's `change_data_feed` says); new columns come via MERGE. Returns the table and its
+    schema as the MERGE will find it.
 
-    The columns of the toasted-value rule are added first if the table predates them,
-    because the MERGE reads them from the table; a `change_data_feed` set true or false is
-    applied to an existing mirror that differs.
+    `stored` is the mirror as its log describes it (`commits.stored_table`; read here when not
+    given): an existing mirror costs no Spark query. The columns of the toasted-value rule are
+    added first if the table predates them, because the MERGE reads them from the table; a
+    `change_data_feed` set true or false is applied to an existing mirror that differs. Each
+    commit made here carries `run_metadata` marked as preparing the run's MERGE (`prepared`).
     """
     schema = changes.schema
-    table = _create_if_not_exists(spark, path, schema, spec)
-    properties = table_properties(spark, path)
-    check_deletion_vectors(path, spec, properties)
-    _apply_change_data_feed(spark, path, spec, properties)
-    stored_schema = table.toDF().schema
-    missing = _add_toast_columns(spark, path, spec, schema, stored_schema)
+    stored = stored or stored_table(spark, path)
+    with commit_metadata(spark, prepared(run_metadata, "the mirror's table")):
+        if stored.schema is None:
+            _create(spark, path, schema, spec)
+            return DeltaTable.forPath(spark, path), schema
+        check_deletion_vectors(path, spec, stored.properties)
+        _apply_change_data_feed(spark, path, spec, stored.properties)
+        missing = _add_toast_columns(spark, path, spec, schema, stored.schema)
     filled = fill_defaults(
         spark,
         path,
         spec,
         schema,
         spec.column_defaults() if defaults is None else defaults,
-        stored_schema,
+        stored.schema,
+        run_metadata=run_metadata,
     )
-    # A DeltaTable made before its schema changed refuses to MERGE: make it again.
-    return DeltaTable.forPath(spark, path) if missing or filled else table
+    table = DeltaTable.forPath(spark, path)
+    # The schema changed here: read it again (rare: a column was added).
+    return table, table.toDF().schema if missing or filled else stored.schema
 
 
-def _create_if_not_exists(
-    spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec
-) -> DeltaTable:
-    """The mirror at `path`, created with `schema` and the table's settings if it is new."""
-    return (
+def _create(spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec) -> None:
+    """The mirror at `path`, created with `schema` and the table's settings (one commit; a
+    writer that created it meanwhile wins, and its table is used)."""
+    (
         DeltaTable.createIfNotExists(spark)
         .location(path)
         .addColumns(schema)
@@ -213,6 +205,8 @@ def fill_defaults(
     defaults: Mapping[str, Any],
     stored: T.StructType,
     rows: Column | None = None,
+    *,
+    run_metadata: dict | None = None,
 ) -> bool:
     """A column with a default (declared, or the connector's: `hour_run.column_defaults`) that
     the mirror gains while it holds rows: the rows from before it show the default, as the
@@ -226,8 +220,9 @@ def fill_defaults(
     rows with the default it names before its MERGE, whatever defaults the run knows, so no
     MERGE writes the column before its fill. `stored` is the mirror's schema as the run found
     it (`ensure_mirror_table` has it already). `rows` narrows the rows that take the default
-    (the history: not the versions that are deletes, to which the decoder gives none). Returns
-    whether it changed the table's schema.
+    (the history: not the versions that are deletes, to which the decoder gives none). Each
+    commit carries `run_metadata` marked as preparing the run's MERGE (`commits.prepared`), so
+    the log tells which run made it. Returns whether it changed the table's schema.
     """
     defaults = {c: v for c, v in defaults.items() if c in schema.fieldNames() and v is not None}
     quoted = path.replace("`", "``")
@@ -236,6 +231,22 @@ def fill_defaults(
     pending = [f for f in stored if str(f.metadata.get("comment", "")).startswith(FILLING_DEFAULT)]
     if not new and not pending:
         return False
+    with commit_metadata(spark, prepared(run_metadata, "a column's default")):
+        _fill(spark, path, quoted, spec, schema, defaults, new, rows)
+    return True
+
+
+def _fill(
+    spark: SparkSession,
+    path: str,
+    quoted: str,
+    spec: TableSpec,
+    schema: T.StructType,
+    defaults: Mapping[str, Any],
+    new: list[str],
+    rows: Column | None,
+) -> None:
+    """`fill_defaults`' three commits: the new columns added, every row filled, noted."""
     if new:
         added = ", ".join(
             f"`{_name(c)}` {schema[c].dataType.simpleString()} COMMENT "
@@ -268,7 +279,6 @@ def fill_defaults(
             f"ALTER TABLE delta.`{quoted}` ALTER COLUMN `{_name(f.name)}` COMMENT "
             "'cdc-lake: rows from before the column hold its default'"
         )
-    return True
 
 
 def _sql_text(text: str) -> str:
@@ -279,16 +289,6 @@ def _sql_text(text: str) -> str:
 def _name(column: str) -> str:
     """A column name for inside SQL backticks."""
     return column.replace("`", "``")
-
-
-CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
-
-
-def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
-    """A Delta table's properties as its metadata holds them (lowercased values); no job."""
-    quoted = path.replace("`", "``")
-    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{quoted}`").collect()
-    return {row["key"]: str(row["value"]).strip().lower() for row in rows}
 
 
 def persistent_deletion_vectors(spec: TableSpec, size_bytes: int | None) -> bool:
@@ -344,12 +344,21 @@ def merge_changes(
     key_range: Mapping[str, tuple] | None = None,
     ledger: DeltaLog | None = None,
     defaults: Mapping[str, Any] | None = None,
+    source_rows: int = 0,
+    replayed: bool = False,
 ) -> MergeOutcome:
     """MERGEs the newest change per key into the mirror with the sequence guard.
 
-    The commit carries `run_metadata`. When no change is newer than the mirror, Delta makes no
-    commit; a metadata-only commit then records the run, so every hour's slice is in the log.
-    A commit conflict with another writer is retried (`retry_on_conflict`).
+    The commit carries `run_metadata`; its metrics, read from the commit, are the outcome
+    (`_outcome`). When no change is newer than the mirror, Delta makes no commit; a
+    metadata-only commit then records the run, so every hour's slice is in the log. A commit
+    conflict with another writer is retried (`retry_on_conflict`).
+
+    `replayed`: the run's slice was applied by an earlier run on record
+    (`commits.applied_before`), so every one of these newest changes is stale: no MERGE, which
+    without deletion vectors would rewrite the files its keys are in to change nothing; the
+    metadata-only commit records the run. `source_rows` (the batch's count of `latest`) stands
+    for Delta's count of the MERGE's source rows where no MERGE committed.
 
     `truncate_before` (a sequence value) is the hour's newest truncate: the same commit deletes
     every row older than it that the hour's changes don't replace.
@@ -371,6 +380,8 @@ def merge_changes(
             key_range=key_range,
             ledger=ledger or delta_log(path),
             defaults=defaults,
+            source_rows=source_rows,
+            replayed=replayed,
         ),
         table=spec.name,
         path=path,
@@ -389,20 +400,23 @@ def _merge_once(
     key_range: Mapping[str, tuple] | None = None,
     ledger: DeltaLog | None = None,
     defaults: Mapping[str, Any] | None = None,
+    source_rows: int = 0,
+    replayed: bool = False,
 ) -> MergeOutcome:
     source = latest.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     source = source.select(*rule.mirror_columns(spec))
-    table = ensure_mirror_table(spark, path, source, spec, defaults)
+    stored = stored_table(spark, path, ledger)
+    table, schema = ensure_mirror_table(
+        spark, path, source, spec, defaults, stored=stored, run_metadata=run_metadata
+    )
+    names = {f.name.lower() for f in schema}
+    evolving = any(c.lower() not in names for c in source.columns)
+    if replayed and truncate_before is None and not evolving:
+        return _recorded(spark, path, run_metadata, ledger, source_rows, replayed=True)
     bounds = {} if truncate_before is not None else dict(key_range or {})
     on = F.expr(" AND ".join(f"t.`{key}` = s.`{key}`" for key in spec.primary_key))
     on = within_key_range(on, bounds)  # a truncate's MERGE reads the whole table anyway
-    _, fill = toast.merge_sets(spec)
-    # Delta's size of the mirror (None: not known). An empty one holds no row to count.
-    size = ledger.size_bytes() if ledger is not None else None
-    prior = prior_rows(spark, spec, path, latest, bounds, fill, empty=size == 0)
     merge = table.alias("t").merge(source.alias("s"), on)
-    stored = {f.name.lower() for f in table.toDF().schema}
-    evolving = any(c.lower() not in stored for c in source.columns)
     if evolving:
         # A column the source gained (new_columns: add): the MERGE adds it to the mirror.
         # Asked for only then: schema evolution costs every MERGE an analysis of its own.
@@ -415,23 +429,40 @@ def _merge_once(
         truncate_before=truncate_before,
     )
     # A setting of the session (the fleet gives each table's thread a session of its own).
-    # Either choice writes the same rows; only the cost differs.
+    # Either choice writes the same rows; only the cost differs. Delta's size of the mirror
+    # (None: not known) decides.
+    size = ledger.size_bytes() if ledger is not None else None
     spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
+    before = ledger.latest_version() if ledger is not None else None
     with commit_metadata(spark, run_metadata):
-        # Every change stale (a replay) and no column to add: no MERGE, which without deletion
-        # vectors would rewrite the files its keys are in to change nothing.
-        stale = prior.writes == 0 and truncate_before is None and not evolving
-        metrics = None if stale else merge.execute().first()
-        if stale or not metrics["num_affected_rows"]:
-            # Every change was stale (or there was none): Delta committed nothing.
-            # A metadata-only commit, so that this run's slice is on record too.
-            ledger_commit(spark, path)
-            mine = ledger.run_commit(run_metadata, LEDGER_OPERATION) if ledger else None
-            recorded = mine.version if mine is not None else current_version(spark, path)
-            return MergeOutcome(
-                None, prior.source_rows, 0, 0, 0, 0, prior=prior, recorded_version=recorded
-            )
-    return _outcome(*_merge_commit(table, run_metadata, ledger), prior)
+        # The metrics come from the commit: reading the DataFrame execute() returns would be
+        # a Spark query of its own.
+        returned = merge.execute()
+    mine = _merge_commit(spark, table, run_metadata, ledger, before, returned)
+    if mine is None:
+        # Every change was stale (or there was none): Delta committed nothing.
+        return _recorded(spark, path, run_metadata, ledger, source_rows, replayed=False)
+    version, metrics = mine
+    return _outcome(spec, version, metrics, ledger, stored.properties)
+
+
+def _recorded(
+    spark: SparkSession,
+    path: str,
+    run_metadata: dict,
+    ledger: DeltaLog | None,
+    source_rows: int,
+    *,
+    replayed: bool,
+) -> MergeOutcome:
+    """A run whose changes were all stale, recorded in a metadata-only commit, so that its
+    slice is on record too. `source_rows`: the batch's count of its newest changes per key
+    (no MERGE committed, so Delta counted none)."""
+    with commit_metadata(spark, run_metadata):
+        ledger_commit(spark, path)
+    mine = ledger.run_commit(run_metadata, LEDGER_OPERATION) if ledger else None
+    recorded = mine.version if mine is not None else current_version(spark, path)
+    return MergeOutcome(None, source_rows, 0, 0, 0, 0, recorded_version=recorded, replayed=replayed)
 
 
 def within_key_range(on: Column, key_range: Mapping[str, tuple]) -> Column:
@@ -445,14 +476,24 @@ def within_key_range(on: Column, key_range: Mapping[str, tuple]) -> Column:
 
 
 def _merge_commit(
-    table: DeltaTable, run_metadata: dict, ledger: DeltaLog | None
-) -> tuple[int, Mapping[str, str]]:
-    """The version and operation metrics of this run's MERGE commit, not one another writer
-    made since (both carry the same metadata only when they run the same hour, and then the
-    later one commits nothing but the ledger)."""
+    spark: SparkSession,
+    table: DeltaTable,
+    run_metadata: dict,
+    ledger: DeltaLog | None,
+    before: int | None,
+    returned: DataFrame,
+) -> tuple[int, Mapping[str, str]] | None:
+    """The version and operation metrics of this run's MERGE commit (None: Delta committed
+    nothing), not one another writer made since: only a commit after `before`, the version
+    the run found, can be this MERGE's."""
     if ledger is not None:  # read from the log's files, no Spark job
         mine = ledger.run_commit(run_metadata, "MERGE")
+        if mine is None or (before is not None and mine.version <= before):
+            return None
         return mine.version, mine.metrics
+    # A lake whose log only Spark reads: the returned metrics, then the history.
+    if not returned.first()["num_affected_rows"]:
+        return None
     commit = (
         table.history(20)
         .where(F.col("userMetadata") == commit_metadata_text(run_metadata))
@@ -464,93 +505,18 @@ def _merge_commit(
     return commit["version"], dict(commit["operationMetrics"])
 
 
-def prior_rows(
-    spark: SparkSession,
+def _outcome(
     spec: TableSpec,
-    path: str,
-    latest: DataFrame,
-    key_range: Mapping[str, tuple],
-    fill: Column,
-    *,
-    empty: bool = False,
-) -> PriorRows:
-    """The mirror's rows under the hour's keys, as the MERGE is about to find them, counted
-    against the hour's changes in one Spark job: the key, deleted flag and sequence of the
-    rows in the key range (and the toasted-value rule's columns), joined with the batch.
-    `empty`: the mirror holds no data file (Delta's size is 0), so no key has a row and the
-    job reads the batch alone.
-
-    What the MERGE will do to each key follows from the CDC rule (`_merge_once`): a change is
-    applied when its key has no row or its sequence is newer than the row's; a stale change
-    still fills a TOASTed value (`fill`). A row per key is expected; duplicates are counted.
-    """
-    keys = list(spec.primary_key)
-    toasted = (
-        []
-        if not spec.toasted_columns
-        else [toast.MOVED_AT, *map(value_sequence, spec.toasted_columns)]
-    )
-    # What the rule reads of the hour's change: its deleted flag and sequence (and the toasted
-    # rule's columns), not the whole row.
-    read = [DELETED, SEQUENCE, *(c for c in toast.mirror_columns(spec) if c in latest.columns)]
-    source = latest.select(*keys, F.struct(*read).alias("s"))
-    if empty and all(c in latest.columns for c in toasted):
-        # Every key without a row: the newest row's columns the rule reads, all null.
-        nothing = F.struct(
-            *[F.lit(None).cast(latest.schema[c].dataType).alias(c) for c in [SEQUENCE, *toasted]]
-        )
-        joined = source.select(
-            "*",
-            F.lit(None).cast("long").alias("_rows"),
-            F.lit(None).cast("long").alias("_live"),
-            nothing.alias("t"),
-        )
-        return _counted(spec, joined, fill)
-    target = spark.read.format("delta").load(path)
-    for key, (low, high) in key_range.items():
-        target = target.where(F.col(key).between(F.lit(low), F.lit(high)))
-    rows = target.select(*keys, DELETED, SEQUENCE, *toasted).join(
-        latest.select(*keys), on=keys, how="left_semi"
-    )
-    per_key = rows.groupBy(*keys).agg(
-        F.count(F.lit(1)).alias("_rows"),
-        F.sum((~F.col(DELETED)).cast("int")).alias("_live"),
-        # The newest row of the key (there is one, unless the mirror holds a duplicate).
-        F.max_by(F.struct(SEQUENCE, *toasted), F.col(SEQUENCE)).alias("t"),
-    )
-    return _counted(spec, source.join(per_key, on=keys, how="left"), fill)
-
-
-def _counted(spec: TableSpec, joined: DataFrame, fill: Column) -> PriorRows:
-    """`prior_rows`' counts over each change `s` of the batch beside what the mirror holds for
-    its key (`_rows`, `_live`: null for none; `t`: the key's newest row)."""
-    effects = rule.live_effects(
-        spec,
-        exists=F.col("_rows").isNotNull(),
-        live=F.coalesce(F.col("_live"), F.lit(0)) > 0,
-        fills=fill,
-    )
-
-    def total(condition: Column, name: str) -> Column:
-        return F.sum(condition.cast("int")).alias(name)
-
-    counted = joined.agg(
-        F.count(F.lit(1)).alias("source_rows"),
-        total(effects["adds_row"], "new_keys"),
-        F.sum(F.coalesce(F.col("_live"), F.lit(0))).alias("live_rows"),
-        F.sum(F.when(F.col("_live") > 1, F.col("_live"))).alias("duplicate_live_rows"),
-        total(effects["inserted"], "inserted"),
-        total(effects["updated"], "updated"),
-        total(effects["deleted"], "deleted"),
-        total(effects["writes"], "writes"),
-    ).first()
-    return PriorRows(**{name: int(counted[name] or 0) for name in counted.asDict()})
-
-
-def _outcome(version: int, metrics: Mapping[str, str], prior: PriorRows) -> MergeOutcome:
-    """What MERGE commit `version` did: the keys it took, the changes it applied and the rows
-    it inserted from Delta's own operation metrics; the live rows inserted, updated and deleted
-    from the rows it found (`prior_rows`), plus those a truncate in the hour deleted."""
+    version: int,
+    metrics: Mapping[str, str],
+    ledger: DeltaLog | None,
+    properties: Mapping[str, str],
+) -> MergeOutcome:
+    """What MERGE commit `version` did, from Delta's operation metrics: the keys it took, the
+    changes it applied, the rows it inserted, rewrote and removed. The live rows inserted,
+    updated and deleted from the commit's own change data where the mirror keeps a change data
+    feed (`live_split`); else Delta's rows inserted, rewritten (updates, soft deletes and
+    undeletes alike) and removed, which is what Delta tells apart."""
 
     def metric(name: str) -> int:
         return int(metrics.get(name) or 0)
@@ -558,19 +524,67 @@ def _outcome(version: int, metrics: Mapping[str, str], prior: PriorRows) -> Merg
     truncated = metric("numTargetRowsNotMatchedBySourceUpdated") + metric(
         "numTargetRowsNotMatchedBySourceDeleted"
     )
+    inserted = metric("numTargetRowsInserted")
+    split = None
+    if ledger is not None and properties.get(CHANGE_DATA_FEED) == "true" and hasattr(ledger, "change_rows"):  # TEMPORARY
+        split = live_split(spec, ledger, version)
+    if split is None:
+        split = (
+            inserted,
+            metric("numTargetRowsMatchedUpdated"),
+            metric("numTargetRowsMatchedDeleted") + truncated,
+            SPLIT_BY_METRICS,
+        )
     return MergeOutcome(
         version=version,
         merged_keys=metric("numSourceRows"),
         # Changes newer than their rows (or filling a TOASTed value), inserts of new keys.
-        applied=metric("numTargetRowsInserted")
+        applied=inserted
         + metric("numTargetRowsMatchedUpdated")
         + metric("numTargetRowsMatchedDeleted"),
-        rows_inserted=prior.inserted,
-        rows_updated=prior.updated,
-        rows_deleted=prior.deleted + truncated,
+        rows_inserted=split[0],
+        rows_updated=split[1],
+        rows_deleted=split[2],
         # Rows older than a truncate in the hour, which no change of it replaced.
         truncated=truncated,
-        rows_added=metric("numTargetRowsInserted"),
-        prior=prior,
+        rows_added=inserted,
         recorded_version=version,
+        split=split[3],
+    )
+
+
+def live_split(spec: TableSpec, ledger: DeltaLog, version: int) -> tuple[int, int, int, str] | None:
+    """The live rows commit `version` inserted, updated and deleted, read from its change data
+    in the driver (`DeltaLog.change_rows`; None where it can't be read so): an insert of a live
+    row, or an update that makes a deleted row live, is an insert; an update of a live row that
+    leaves it live an update; one that soft-deletes it, or a removed live row, a delete; a
+    soft delete of a key the mirror lacked is a delete too (as the rule counts it)."""
+    keys = list(spec.primary_key)
+    rows = ledger.change_rows(version, [*keys, DELETED])
+    if rows is None:
+        return None
+    kind, deleted = rows.column("_change_type"), rows.column(DELETED)
+    inserts = rows.filter(pc.equal(kind, "insert"))
+    inserted_live = pc.sum(pc.invert(inserts.column(DELETED))).as_py() or 0
+    inserted_deleted = inserts.num_rows - inserted_live
+    removed_live = (
+        pc.sum(pc.and_(pc.equal(kind, "delete"), pc.invert(pc.fill_null(deleted, False)))).as_py()
+        or 0
+    )
+    before = rows.filter(pc.equal(kind, "update_preimage")).select([*keys, DELETED])
+    after = rows.filter(pc.equal(kind, "update_postimage")).select([*keys, DELETED])
+    pairs = before.rename_columns([*keys, "_before"]).join(
+        after.rename_columns([*keys, "_after"]), keys
+    )
+    if pairs.num_rows != after.num_rows:
+        return None  # images that don't pair up by key: not read faithfully
+    was, now = pairs.column("_before"), pairs.column("_after")
+    undeleted = pc.sum(pc.and_(was, pc.invert(now))).as_py() or 0
+    updated = pc.sum(pc.and_(pc.invert(was), pc.invert(now))).as_py() or 0
+    soft_deleted = pc.sum(pc.and_(pc.invert(was), now)).as_py() or 0
+    return (
+        inserted_live + undeleted,
+        updated,
+        soft_deleted + removed_live + inserted_deleted,
+        SPLIT_BY_FEED,
     )

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KeyCounts:
-    """The primary key's uniqueness among the mirror's live rows under the hour's keys, as the
-    run counted it (`merge.MergeOutcome.duplicate_rows`): the rows the mirror held for them
-    before the MERGE, and the rows the MERGE inserted for keys that already had one."""
+    """The primary key's uniqueness in what the hour wrote: its distinct keys (counted on the
+    batch) and the MERGE's source rows beyond them (Delta's count of its source rows, less
+    the keys). Two source rows of one new key are both inserted by Delta, so this is the
+    hour's guard; the whole mirror is judged once a day (`checks.daily`)."""
 
     keys: int
     duplicates: int
@@ -104,6 +105,8 @@ class HourResult:
     hour_key: str
     slice: HourSlice
     counts: HourCounts
+    # The live rows the hour inserted, updated and deleted (`merge.MergeOutcome`), and where
+    # they were counted: the commit's change data, or the MERGE's metrics.
     rows_inserted: int
     rows_updated: int
     rows_deleted: int
@@ -134,6 +137,9 @@ class HourResult:
     # A table with `history: true`: what the run wrote to its history, and the history of the
     # hour's keys judged afterwards (`cdc_assets.history`); None without history.
     history: HistoryRun | None = None
+    rows_counted_from: str = "merge metrics"
+    # The slice was applied by an earlier run on record: nothing was MERGEd again.
+    replayed: bool = False
 
     def hour_start_offsets(self) -> dict[int, int]:
         """Where the hour begins, per partition: the slice's start unless a refresh came first."""

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from delta.tables import DeltaMergeBuilder
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -67,6 +70,38 @@ def latest_per_key(changes: DataFrame, spec: TableSpec) -> DataFrame:
         .agg(newest.alias("_newest"), *aggregates)
         .select(*[F.col(f"_newest.{c}").alias(c) for c in row if c not in toasted], *toasts)
     )
+
+
+def newest_per_key(changes: pa.Table, spec: TableSpec) -> pa.Table:
+    """`latest_per_key` of changes held in memory (a slice the driver read and decoded): the
+    same rows, columns and types, without a Spark query. The newest change of a key is the one
+    latest in sequence order (`sequence_ranks`); toasted columns follow their own rule
+    (`toast.newest_values`). tests/cdc_assets/test_rule.py holds the two forms to one output.
+    """
+    toasted = set(spec.toasted_columns)
+    row = [c for c in [*spec.columns, *METADATA_COLUMNS, DELETED] if c != INGESTED_AT]
+    keys = list(spec.primary_key)
+    ranks, order = sequence_ranks(changes)
+    per_key = {"_rank": ranks, **toast.carried_ranks(spec, changes, ranks)}
+    grouped = pa.table({**{k: changes.column(k) for k in keys}, **per_key})
+    grouped = grouped.group_by(keys, use_threads=False).aggregate([(c, "max") for c in per_key])
+    newest = order.take(grouped.column("_rank_max"))
+    columns = {c: changes.column(c).take(newest) for c in row if c not in toasted}
+    return pa.table({**columns, **toast.newest_values(spec, changes, order, grouped)})
+
+
+def sequence_ranks(changes: pa.Table) -> tuple[pa.Array, pa.Array]:
+    """Each change's place in sequence order (0: the oldest), and the changes in that order
+    (row indices): `_cdc_sequence` compared field by field, strings by their UTF-8 bytes, as
+    Spark orders the struct. A slice's sequences are unique (they end with the Kafka partition
+    and offset), so the order has no ties."""
+    sequence = changes.column(SEQUENCE).combine_chunks()
+    fields = [sequence.type.field(n).name for n in range(sequence.type.num_fields)]
+    flat = pa.table(dict(zip(fields, sequence.flatten(), strict=True)))
+    order = pc.sort_indices(flat, sort_keys=[(f, "ascending") for f in fields])
+    ranks = np.empty(len(order), dtype=np.int64)
+    ranks[order.to_numpy()] = np.arange(len(order), dtype=np.int64)
+    return pa.array(ranks), order
 
 
 def _col(alias: str, name: str) -> Column:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -79,6 +81,43 @@ def batch_columns(spec: TableSpec, changes: DataFrame) -> tuple[list[Column], li
         ]
     selected += [F.col("_move_from").alias(MOVED_FROM), move_at.alias(MOVED_AT)]
     return aggregates, selected
+
+
+def carried_ranks(spec: TableSpec, changes: pa.Table, ranks: pa.Array) -> dict[str, pa.Array]:
+    """For `rule.newest_per_key` (changes held in memory): per change, its place in sequence
+    order (`ranks`) where it carries each toasted column's value (`_carried_<C>`) and where it
+    moves its row (`_move`), null elsewhere; each key's maximum is `newest_values`' input."""
+    if not spec.toasted_columns:
+        return {}
+    carried = {"_move": pc.if_else(pc.is_valid(changes.column(MOVED_FROM)), ranks, None)}
+    for c in spec.toasted_columns:
+        carried[f"_carried_{c}"] = pc.if_else(changes.column(has_value(c)), ranks, None)
+    return carried
+
+
+def newest_values(
+    spec: TableSpec, changes: pa.Table, order: pa.Array, grouped: pa.Table
+) -> dict[str, pa.Array]:
+    """`batch_columns`' selected columns for changes held in memory, per key of `grouped`
+    (each `carried_ranks` column's maximum per key; `order`: the changes in sequence order):
+    each toasted column's newest carried value and its sequence, unless the key's newest move
+    came after it (the value belongs to the key's earlier life), and the newest move."""
+    if not spec.toasted_columns:
+        return {}
+    move = grouped.column("_move_max")
+    columns: dict[str, pa.Array] = {}
+    for c in spec.toasted_columns:
+        carried = grouped.column(f"_carried_{c}_max")
+        after_move = pc.or_kleene(pc.is_null(move), pc.greater_equal(carried, move))
+        valid = pc.and_kleene(pc.is_valid(carried), after_move)
+        row = order.take(pc.if_else(valid, carried, None))
+        columns[c] = changes.column(c).take(row)
+        columns[value_sequence(c)] = changes.column(SEQUENCE).take(row)
+        columns[unknown_flag(c)] = pc.invert(valid)
+    moved = order.take(move)
+    columns[MOVED_FROM] = changes.column(MOVED_FROM).take(moved)
+    columns[MOVED_AT] = changes.column(SEQUENCE).take(moved)
+    return columns
 
 
 def merge_sets(spec: TableSpec) -> tuple[dict[str, Column], Column]:

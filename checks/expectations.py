@@ -334,6 +334,8 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
     hard = [e for e in table_expectations(spec) if e.hard]
     if not hard:
         return None
+    if not isinstance(changes, DataFrame):  # TEMPORARY until the pandas engine lands
+        changes = spark.createDataFrame(changes)
     audited = changes.where(F.col(OP) != "d")
     index = [KAFKA_PARTITION, KAFKA_OFFSET]
     expanded = [(e, gx_e) for e in hard for gx_e in _gx_expectations(e)]
@@ -360,20 +362,16 @@ def audit_changes(spark: SparkSession, spec: TableSpec, changes: DataFrame) -> A
             for row in result.result.get("unexpected_index_list") or ():
                 coordinates = (int(row[KAFKA_PARTITION]), int(row[KAFKA_OFFSET]))
                 failed.setdefault(coordinates, []).append(e.name)
-    frame, reasons = None, {}
-    if failed:
-        rows = [
-            (p, o, "failed expectations: " + ", ".join(sorted(set(names))))
+    held, reasons = {}, {}
+    for (p, o), names in failed.items():
+        reason = (
+            "failed expectations: " + ", ".join(sorted(set(names)))
             if len(set(names)) > 1
-            else (p, o, f"expectation '{names[0]}' failed")
-            for (p, o), names in failed.items()
-        ]
-        for _, _, reason in rows:
-            reasons[reason] = reasons.get(reason, 0) + 1
-        frame = spark.createDataFrame(
-            rows, f"{KAFKA_PARTITION} int, {KAFKA_OFFSET} bigint, _cdc_expectation string"
+            else f"expectation '{names[0]}' failed"
         )
-    return Audit(tuple(outcomes), frame, reasons)
+        held[(p, o)] = reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return Audit(tuple(outcomes), held, reasons)
 
 
 # --- publish: the other expectations, on the hour's newest change per key -------------------
@@ -395,11 +393,14 @@ def validate_batch(
     version: int | None,
     rows: DataFrame,
     keys: KeyCounts | None = None,
+    frame: DataFrame | None = None,
 ) -> list[Outcome]:
     """Runs the table's non-hard expectations on `rows`, the hour's newest change per key
     (deletes excepted), and `unique` among the mirror's live rows at `version` (None: the
     mirror does not exist); the primary key's from `keys`."""
     expectations = [e for e in table_expectations(spec) if not e.hard]
+    if not isinstance(rows, DataFrame):  # TEMPORARY until the pandas engine lands
+        rows = frame
     outcomes: dict[str, Outcome] = {}
     per_row = [e for e in expectations if e.kind != "unique"]
     expanded = [(e, gx_e) for e in per_row for gx_e in _gx_expectations(e)]

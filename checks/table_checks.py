@@ -225,8 +225,9 @@ class TableChecks:
         version: int | None,
         rows: DataFrame,
         keys: KeyCounts,
+        frame: DataFrame | None = None,
     ) -> list[Outcome]:
-        return validate_batch(spark, spec, path, version, rows, keys=keys)
+        return validate_batch(spark, spec, path, version, rows, keys=keys, frame=frame)
 
     def validate_nothing(self, spec: TableSpec) -> list[Outcome]:
         return validate_nothing(spec)

@@ -1,5 +1,6 @@
 """The decoder in Spark: a slice's Kafka records → the decoded frame, in Spark's Python workers
-(`decode`) or, for a small slice read in the driver, here (`decode_locally`)."""
+(`decode`) or, for a small slice read in the driver, here into an Arrow table
+(`decode_locally`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from cdc_assets.config import TableSpec
 from cdc_assets.decoding.batch import decode_batch
@@ -73,16 +75,16 @@ def decoder_input(records: DataFrame, plan: DecodePlan) -> list[Column]:
 
 
 def decode_locally(
-    spark: SparkSession,
     records: pa.RecordBatch,
     spec: TableSpec,
     *,
     hour_key: str,
     added_columns: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
-) -> DataFrame:
+) -> tuple[pa.Table, T.StructType]:
     """`decode` of a small slice read in the driver (`read.read_slice_locally`): the same
-    decoder, run here; the frame is a local relation, so reading it costs no Kafka job."""
+    decoder, run here, its rows kept here as an Arrow table (no Spark job), with the Spark
+    schema of the frame `decode` would give."""
     plan = DecodePlan.of(spec, hour_key=hour_key, added_columns=added_columns, defaults=defaults)
     decoded = decode_batch(RecordDecoder(plan), records)
-    return spark.createDataFrame(pa.Table.from_batches([decoded]), schema=plan.spark_schema())
+    return pa.Table.from_batches([decoded]), plan.spark_schema()

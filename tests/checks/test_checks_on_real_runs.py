@@ -7,6 +7,8 @@ import re
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
 
@@ -171,22 +173,26 @@ def test_the_accounting_fails_when_a_key_is_doubled_on_its_way_to_the_merge(
     hour, create_topic, send, monkeypatch
 ):
     """The newest-change-per-key step made to keep one key twice: Delta's count of the MERGE's
-    source rows no longer matches the batch's distinct keys, and the identity breaks."""
-    from cdc_assets import hour_run
+    source rows no longer matches the batch's distinct keys, and the identity breaks. The key is
+    new, so Delta inserts both rows (it refuses two source rows only for a key it matches):
+    the hour's `primary_key_unique` is the guard that catches it."""
+    from cdc_assets import hour_batch
 
-    original = hour_run.latest_per_key
+    original = hour_batch.newest_per_key
 
     def doubled(changes, spec):
         latest = original(changes, spec)
-        return latest.unionByName(latest.where("id = 3"))
+        return pa.concat_tables([latest, latest.filter(pc.equal(latest.column("id"), 3))])
 
-    monkeypatch.setattr(hour_run, "latest_per_key", doubled)
+    monkeypatch.setattr(hour_batch, "newest_per_key", doubled)
     result, checks = hour(_accounting_hour(create_topic, send, "doubled"))
     assert result.counts.merge_source_rows == result.counts.distinct_keys + 1
     accounting = checks["accounting"]
     assert not accounting.passed
     assert "3 distinct keys but the MERGE took 4 source rows" in accounting.description
     assert "consumed 7 but accounted for 8" in accounting.description
+    unique = checks["primary_key_unique"]
+    assert not unique.passed and unique.metadata["unexpected_count"].value == 1
 
 
 def test_the_accounting_fails_when_the_decoder_loses_a_record(
@@ -198,8 +204,8 @@ def test_the_accounting_fails_when_the_decoder_loses_a_record(
 
     original = hour_run.decode_locally
 
-    def lossy(spark, records, spec, **kwargs):
-        return original(spark, records.slice(0, records.num_rows - 1), spec, **kwargs)
+    def lossy(records, spec, **kwargs):
+        return original(records.slice(0, records.num_rows - 1), spec, **kwargs)
 
     monkeypatch.setattr(hour_run, "decode_locally", lossy)
     accounting = hour(_accounting_hour(create_topic, send, "lossy"))[1]["accounting"]
