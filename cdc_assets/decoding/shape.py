@@ -46,6 +46,10 @@ class SourceShape:
     # Column → the default its Connect schema declares (Debezium's copy of the source column's
     # DEFAULT), as JSON of the column's value (`schema_default`).
     defaults: dict[str, set[str]] = field(default_factory=dict)
+    # The table's columns (declared or added) that some change's Connect schema did not name: the
+    # source table gained them after that change was written (`ALTER TABLE ... ADD COLUMN`), or
+    # no longer has them.
+    absent: set[str] = field(default_factory=set)
 
     def merge(self, other: SourceShape) -> SourceShape:
         for mine, theirs in (
@@ -58,6 +62,7 @@ class SourceShape:
             for name, values in theirs.items():
                 mine.setdefault(name, set()).update(values)
         self.schemas |= other.schemas
+        self.absent |= other.absent
         for name, by_partition in other.json_newest.items():
             mine = self.json_newest.setdefault(name, {})
             for partition, entry in by_partition.items():
@@ -87,6 +92,7 @@ class SourceShape:
     def to_json(self) -> str:
         return json.dumps(
             {
+                "absent": sorted(self.absent),
                 "defaults": {k: sorted(v) for k, v in self.defaults.items()},
                 "fields": {k: sorted(v) for k, v in self.fields.items()},
                 "mismatches": {k: sorted(v) for k, v in self.mismatches.items()},
@@ -109,6 +115,7 @@ class SourceShape:
             json_mismatches={k: set(v) for k, v in raw.get("json_mismatches", {}).items()},
             json_newest=raw.get("json_newest", {}),
             defaults={k: set(v) for k, v in raw.get("defaults", {}).items()},
+            absent=set(raw.get("absent", ())),
         )
 
     @classmethod
