@@ -1,9 +1,10 @@
 """What an hour's records told of the source's columns: `SourceShape`, gathered per batch.
 
 The encodings each column arrived in, the declared columns whose encoding no longer fits their
-type (schema drift), the types undeclared columns would take (`added_column_types`) and the
-defaults the connector's schemas declare. Recorded per run; read by the run (new columns,
-defaults) and the schema_drift check.
+type (schema drift), the types undeclared columns would take (`added_column_types`), the
+defaults the connector's schemas declare and the columns some change was written without
+(`lacked_columns`). Recorded per run; read by the run (new columns, defaults) and the schema_drift
+check.
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ class SourceShape:
             if text:
                 shape.merge(cls.from_json(text))
         return shape
+
+
+def lacked_columns(
+    shape: SourceShape | None, seen_before: Iterable[str], recorded: Iterable[str]
+) -> list[str]:
+    """The source columns that some change the mirror's runs read was written without, as a run
+    records them for the next (`recorded`: the earlier runs' list).
+
+    A column joins when a change of the hour lacked it (`SourceShape.absent`), or when the
+    hour's rows carry it and the earlier runs' rows (`seen_before`, the source columns they saw)
+    did not: those changes were written before the source table had it. A column the table had
+    since it was created is in every change, and never joins.
+    """
+    joined = set(recorded)
+    if shape is not None:
+        joined |= shape.absent
+        seen_before = set(seen_before)
+        if seen_before:  # nothing to compare with before the first run that saw a row
+            joined |= set(shape.fields) - seen_before
+    return sorted(joined)
 
 
 def added_column_types(shape: SourceShape, known: Iterable[str]) -> dict[str, str]:
