@@ -57,7 +57,7 @@ from cdc_assets.commits import (
     truncate_watermark,
 )
 from cdc_assets.config import TableSpec, typed_default
-from cdc_assets.decoding.shape import SourceShape, added_column_types
+from cdc_assets.decoding.shape import SourceShape, added_column_types, lacked_columns
 from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
@@ -460,6 +460,7 @@ def account(
         hour_starts=hour.hour_starts,
         refreshed_to=hour.refreshed_to,
         source_fields=changes.batch.shape,
+        columns_lacked=tuple(applied.commit.get(LACKED_COLUMNS, ())),
         audit=held.audit,
         expectations=verdicts,
         mirror_newest=_from_ms(applied.commit[MIRROR_NEWEST]),
@@ -772,6 +773,8 @@ COLUMN_DEFAULTS = "column_defaults"
 
 # The source columns the mirror's runs have seen so far (names), recorded in each run's commit.
 SOURCE_COLUMNS = "source_columns"
+# The source columns some change the runs read was written without (`shape.lacked_columns`).
+LACKED_COLUMNS = "source_columns_lacked"
 
 
 def fillable_defaults(
@@ -994,7 +997,8 @@ def _record(
     """What every run's commit records (the ledger, `cdc_assets.commits`): its hour, slice and
     counts, and the running records the next run reads (`HourContext.running`): the mirror's
     newest source time (ms), the column defaults the connector's schemas declared so far
-    (`COLUMN_DEFAULTS`) and the source columns the runs have seen (`SOURCE_COLUMNS`)."""
+    (`COLUMN_DEFAULTS`), the source columns the runs have seen (`SOURCE_COLUMNS`) and those
+    some change was written without (`LACKED_COLUMNS`)."""
     record = {
         "hour": ctx.hour_key,
         "slice": hour.recorded_slice(),
@@ -1015,6 +1019,9 @@ def _record(
     seen = set(ctx.running(SOURCE_COLUMNS, ())) | set(shape.fields if shape else ())
     if seen:
         record[SOURCE_COLUMNS] = sorted(seen)
+    lacked = lacked_columns(shape, ctx.running(SOURCE_COLUMNS, ()), ctx.running(LACKED_COLUMNS, ()))
+    if lacked:
+        record[LACKED_COLUMNS] = lacked
     return record
 
 

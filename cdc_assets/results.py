@@ -121,6 +121,9 @@ class HourResult:
     previous_end: dict[int, int] | None = None
     # What the hour's records told of the source's columns (encodings, mismatches, new ones).
     source_fields: SourceShape = field(default_factory=SourceShape)
+    # The source columns some change the mirror's runs read was written without, this hour's
+    # included (recorded in each run's commit: `shape.lacked_columns`).
+    columns_lacked: tuple[str, ...] = ()
     # The hard expectations' verdict; None when the table declares none.
     audit: AuditVerdict | None = None
     # The other expectations' verdicts, on the hour's newest change per key (`MirrorChecks`).

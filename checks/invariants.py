@@ -48,7 +48,10 @@ DESCRIPTIONS = {
     CONTINUITY: "The hour starts where the previous hour ended, partition by partition (I1).",
     ERROR_RATE: "The share of the hour's records quarantined in the error table is within bounds.",
     FRESHNESS: "The newest source change in the mirror trails the hour's end by the allowed lag.",
-    SCHEMA_DRIFT: "The source sends exactly the declared columns, with compatible types.",
+    SCHEMA_DRIFT: (
+        "The source sends exactly the declared columns, with compatible types; a column added "
+        "to the source later with a DEFAULT has it declared too."
+    ),
     RETENTION_RISK: "Kafka still holds the hour's offsets long enough to replay it (I6).",
     CHANGES_READABLE: "Not every change of the hour went to the error table (something applied).",
     TOASTED_VALUES: "Live rows hold known values of their unchanged TOASTed columns.",
@@ -327,13 +330,16 @@ def schema_drift_result(
             "longer sent)"
         )
     problems += [reason for reasons in changed.values() for reason in reasons]
-    undeclared_defaults = _undeclared_defaults(shape, spec)
+    lacked = sorted({*result.columns_lacked, *shape.absent})
+    undeclared_defaults = _undeclared_defaults(shape, spec, lacked)
     if undeclared_defaults:
         problems.append(
-            f"the source's schema gives {', '.join(undeclared_defaults)} a default that the tables "
-            "file does not declare: changes written before such a column existed hold null in "
-            "the mirror where the source shows its default; declare it under columns as {type: "
-            "..., default: ...} (the connector's schema shows it)"
+            f"the source's schema gives {', '.join(undeclared_defaults)} a default that the "
+            "tables file does not declare, and changes the mirror took were written before the "
+            "source table had the column (ALTER TABLE ... ADD COLUMN): the rows they wrote hold "
+            "null where the source shows the default. Declare it under columns as {type: ..., "
+            "default: ...} with the default the connector's schema shows; rows written so keep "
+            "null until a change or a re-snapshot of the table rewrites them"
         )
     return _verdict(
         SCHEMA_DRIFT,
@@ -346,16 +352,20 @@ def schema_drift_result(
             "type_changed": dg.MetadataValue.json(changed),
             "withheld_columns": ", ".join(result.withheld_columns),
             "undeclared_defaults": ", ".join(undeclared_defaults),
+            "columns_some_changes_lack": ", ".join(lacked),
         },
     )
 
 
-def _undeclared_defaults(shape, spec: TableSpec) -> list[str]:
-    """Declared columns whose default the source's schema shows and the tables file lacks."""
+def _undeclared_defaults(shape, spec: TableSpec, lacked: list[str]) -> list[str]:
+    """Declared columns whose default the source's schema shows and the tables file lacks, that
+    some change the mirror took was written without (`lacked`). A column the source had from
+    the mirror's first change on is in every change: no row holds null for want of a default."""
     return sorted(
         column
         for column in shape.source_defaults()
         if column in spec.columns
+        and column in lacked
         and column not in {*spec.defaults, *spec.sensitive, *spec.primary_key}
     )
 

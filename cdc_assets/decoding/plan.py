@@ -283,6 +283,8 @@ def build_row_plan(plan: DecodePlan, row_schema: Mapping[str, Any] | None) -> Ro
         in_schema.append(known)
         if isinstance(made, enc.Mismatch) and known and name not in plan.added:
             shape.mismatches.setdefault(name, set()).add(made.reason)
+        if fields and not known:  # a schema naming no column at all tells nothing
+            shape.absent.add(name)
     if row_schema is not None:
         for name, field_schema in fields.items():
             encoding = enc.from_connect_schema(field_schema)

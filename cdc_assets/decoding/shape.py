@@ -1,9 +1,10 @@
 """What an hour's records told of the source's columns: `SourceShape`, gathered per batch.
 
 The encodings each column arrived in, the declared columns whose encoding no longer fits their
-type (schema drift), the types undeclared columns would take (`added_column_types`) and the
-defaults the connector's schemas declare. Recorded per run; read by the run (new columns,
-defaults) and the schema_drift check.
+type (schema drift), the types undeclared columns would take (`added_column_types`), the
+defaults the connector's schemas declare and the columns some change was written without
+(`lacked_columns`). Recorded per run; read by the run (new columns, defaults) and the schema_drift
+check.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class SourceShape:
     # Column → the default its Connect schema declares (Debezium's copy of the source column's
     # DEFAULT), as JSON of the column's value (`schema_default`).
     defaults: dict[str, set[str]] = field(default_factory=dict)
+    # The table's columns (declared or added) that some change's Connect schema did not name: the
+    # source table gained them after that change was written (`ALTER TABLE ... ADD COLUMN`), or
+    # no longer has them.
+    absent: set[str] = field(default_factory=set)
 
     def merge(self, other: SourceShape) -> SourceShape:
         for mine, theirs in (
@@ -58,6 +63,7 @@ class SourceShape:
             for name, values in theirs.items():
                 mine.setdefault(name, set()).update(values)
         self.schemas |= other.schemas
+        self.absent |= other.absent
         for name, by_partition in other.json_newest.items():
             mine = self.json_newest.setdefault(name, {})
             for partition, entry in by_partition.items():
@@ -87,6 +93,7 @@ class SourceShape:
     def to_json(self) -> str:
         return json.dumps(
             {
+                "absent": sorted(self.absent),
                 "defaults": {k: sorted(v) for k, v in self.defaults.items()},
                 "fields": {k: sorted(v) for k, v in self.fields.items()},
                 "mismatches": {k: sorted(v) for k, v in self.mismatches.items()},
@@ -109,6 +116,7 @@ class SourceShape:
             json_mismatches={k: set(v) for k, v in raw.get("json_mismatches", {}).items()},
             json_newest=raw.get("json_newest", {}),
             defaults={k: set(v) for k, v in raw.get("defaults", {}).items()},
+            absent=set(raw.get("absent", ())),
         )
 
     @classmethod
@@ -118,6 +126,26 @@ class SourceShape:
             if text:
                 shape.merge(cls.from_json(text))
         return shape
+
+
+def lacked_columns(
+    shape: SourceShape | None, seen_before: Iterable[str], recorded: Iterable[str]
+) -> list[str]:
+    """The source columns that some change the mirror's runs read was written without, as a run
+    records them for the next (`recorded`: the earlier runs' list).
+
+    A column joins when a change of the hour lacked it (`SourceShape.absent`), or when the
+    hour's rows carry it and the earlier runs' rows (`seen_before`, the source columns they saw)
+    did not: those changes were written before the source table had it. A column the table had
+    since it was created is in every change, and never joins.
+    """
+    joined = set(recorded)
+    if shape is not None:
+        joined |= shape.absent
+        seen_before = set(seen_before)
+        if seen_before:  # nothing to compare with before the first run that saw a row
+            joined |= set(shape.fields) - seen_before
+    return sorted(joined)
 
 
 def added_column_types(shape: SourceShape, known: Iterable[str]) -> dict[str, str]:

@@ -10,8 +10,10 @@ from delta.tables import DeltaTable
 from pyspark.sql.types import LongType, StructField, StructType
 
 from cdc_assets.config import TableSpec
+from cdc_assets.decoding.shape import SourceShape, lacked_columns
 from cdc_assets.hour_run import (
     COLUMN_DEFAULTS,
+    LACKED_COLUMNS,
     SOURCE_COLUMNS,
     HourContext,
     HourPlan,
@@ -90,6 +92,22 @@ def test_only_undeclared_columns_take_the_connectors_default_and_only_unseen_one
     assert fillable == {"grade": "B"}
 
 
+def test_a_column_joins_the_lacked_ones_when_some_change_the_runs_read_was_written_without_it():
+    """schema_drift names an undeclared default only for such a column: one added to the source
+    (`ADD COLUMN grade ... DEFAULT 7`) after changes the mirror holds. A column the table had
+    since it was created (`flag`) is in every change and never joins."""
+    hour = SourceShape(fields={"id": {"int64"}, "flag": {"int16"}, "grade": {"int32"}})
+    assert lacked_columns(hour, [], []) == []  # the first run: nothing to compare with
+    assert lacked_columns(hour, ["id", "flag", "grade"], []) == []
+    # Earlier runs read the table before it had grade...
+    assert lacked_columns(hour, ["id", "flag"], []) == ["grade"]
+    # ... or this hour holds a change from before it (in any hour order)...
+    hour.absent = {"grade"}
+    assert lacked_columns(hour, [], []) == ["grade"]
+    # ... and every later run keeps it, an empty hour's too.
+    assert lacked_columns(None, ["id", "flag", "grade"], ["grade"]) == ["grade"]
+
+
 def test_every_runs_record_carries_the_running_records_an_empty_hour_too():
     """The next run reads the column defaults and the source columns seen so far from the
     newest commit alone: an empty hour's commit must carry them on, or the hour after it
@@ -102,10 +120,12 @@ def test_every_runs_record_carries_the_running_records_an_empty_hour_too():
         local=True,
     )
     newest = {"hour": "x", COLUMN_DEFAULTS: {"memo": "none"}, SOURCE_COLUMNS: ["id", "memo"]}
+    newest[LACKED_COLUMNS] = ["memo"]
     ctx = HourContext(
         *([None] * 4), "2026-11-03-09:00", None, None, "/lake/t", None, 3, [newest]
     )  # only the hour and the history matter here
     empty = _record(ctx, hour, consumed=0, tombstones=0, errors=0, newest_ms=None)
     assert empty[COLUMN_DEFAULTS] == {"memo": "none"}
     assert empty[SOURCE_COLUMNS] == ["id", "memo"]
+    assert empty[LACKED_COLUMNS] == ["memo"]
     assert empty["mirror_newest_ms"] == 5

@@ -70,8 +70,9 @@ def _b64(unscaled: int) -> str:
     return base64.b64encode(unscaled.to_bytes(size, "big", signed=True)).decode()
 
 
-def _decode(records: list[tuple], spec: TableSpec = SPEC, **plan) -> list[dict]:
-    """records: (key, value[, headers]) → decoded rows as dicts."""
+def _decode(records: list[tuple], spec: TableSpec = SPEC, *, fast=True, **plan) -> list[dict]:
+    """records: (key, value[, headers]) → decoded rows as dicts (`fast=False`: the exact pass
+    alone)."""
     decoder = RecordDecoder(DecodePlan.of(spec, hour_key="2026-11-02-06:00", **plan))
     batch = pa.RecordBatch.from_pydict(
         {
@@ -87,7 +88,7 @@ def _decode(records: list[tuple], spec: TableSpec = SPEC, **plan) -> list[dict]:
             ),
         }
     )
-    return decode_batch(decoder, batch).to_pylist()
+    return decode_batch(decoder, batch, fast=fast).to_pylist()
 
 
 def test_a_schema_decides_each_records_encoding_and_a_changed_schema_is_followed():
@@ -252,3 +253,44 @@ def test_a_schema_default_is_read_in_the_columns_encoding():
     other["fields"][2]["default"] = "other"
     rows += _decode([(b'{"id":2}', _value("c", {**row, "id": 2}, 2, schema=_schema(other)))])
     assert "note" not in SourceShape.combine(r[SHAPE] for r in rows).source_defaults()
+
+
+# Debezium's MariaDB connector, as captured (docs/debezium.md): `flag TINYINT(1) NOT NULL
+# DEFAULT 0` since CREATE TABLE, then `ALTER TABLE ... ADD COLUMN grade INT NOT NULL DEFAULT 7`.
+FLAGS = TableSpec(
+    name="flags",
+    topic="t",
+    primary_key=("id",),
+    columns={"id": "bigint", "flag": "int", "grade": "int"},
+    start_hour="2026-11-01-00:00",
+)
+CREATED = {
+    "type": "struct",
+    "optional": True,
+    "fields": [
+        {"type": "int64", "optional": False, "field": "id"},
+        {"type": "int16", "optional": False, "default": 0, "field": "flag"},
+    ],
+}
+ALTERED = {
+    **CREATED,
+    "fields": [
+        *CREATED["fields"],
+        {"type": "int32", "optional": False, "default": 7, "field": "grade"},
+    ],
+}
+
+
+def test_the_shape_names_the_columns_a_changes_own_schema_lacks():
+    """A change whose schema lacks a declared column was written before the source table had it
+    (`SourceShape.absent`, what schema_drift's undeclared defaults rest on); a column the table
+    had since it was created is in every change's schema, and never absent. Both passes."""
+    before = (b'{"id":2}', _value("u", {"id": 2, "flag": 0}, 1, schema=_schema(CREATED)))
+    after = (b'{"id":6}', _value("c", {"id": 6, "flag": 0, "grade": 7}, 2, schema=_schema(ALTERED)))
+    for records, absent in (([after], set()), ([before, after], {"grade"})):
+        for fast in (True, False):
+            rows = _decode(records, FLAGS, fast=fast)
+            assert [r[ERROR] for r in rows] == [None] * len(records)
+            shape = SourceShape.combine(r[SHAPE] for r in rows)
+            assert shape.absent == absent
+            assert shape.source_defaults() == {"flag": 0, "grade": 7}

@@ -264,6 +264,58 @@ def test_schema_drift_names_the_columns_a_sensitive_table_withheld():
     assert check.metadata["withheld_columns"].value == ""
 
 
+# `flag TINYINT(1) NOT NULL DEFAULT 0` since CREATE TABLE, `grade INT NOT NULL DEFAULT 7` added
+# later: their Connect schemas show the defaults (docs/debezium.md, 'Schema changes').
+DEFAULTS_TABLE = {
+    "name": "t",
+    "topic": "t",
+    "primary_key": ["id"],
+    "columns": {"id": "bigint", "flag": "int", "grade": "int"},
+    "start_hour": "2026-11-01-00:00",
+}
+SINCE_CREATE = TableSpec.model_validate(DEFAULTS_TABLE)
+
+
+def _shape(*, absent: set[str] = frozenset()) -> SourceShape:
+    """The hour's shape as the decoder reports a schema naming id, flag and grade."""
+    fields = {"id": {"int64"}, "flag": {"int16"}, "grade": {"int32"}}
+    return SourceShape(
+        fields=fields,
+        schemas={True},
+        defaults={"flag": {"0"}, "grade": {"7"}},
+        absent=set(absent),
+    )
+
+
+def test_schema_drift_leaves_a_default_alone_on_a_column_every_change_carries():
+    """A NOT NULL DEFAULT column the table had since it was created is in every change: no row
+    of the mirror can hold null for want of its default, so an undeclared default is fine."""
+    check = schema_drift_result(_result(source_fields=_shape()), SINCE_CREATE, POLICY)
+    assert check.passed, check.description
+    assert check.metadata["undeclared_defaults"].value == ""
+
+
+def test_schema_drift_names_a_default_of_a_column_some_changes_were_written_without():
+    """`ALTER TABLE ... ADD COLUMN grade ... DEFAULT 7`: changes written before it lack grade,
+    and their rows hold null where the source shows 7, whether this hour had such a change or
+    an earlier run read one (its record), until the tables file declares the default."""
+    for result in (
+        _result(source_fields=_shape(absent={"grade"})),
+        _result(source_fields=_shape(), columns_lacked=("grade",)),
+    ):
+        check = schema_drift_result(result, SINCE_CREATE, POLICY)
+        assert not check.passed
+        assert check.description.startswith(
+            "the source's schema gives grade a default that the tables file does not declare, "
+            "and changes the mirror took were written before the source table had the column"
+        )
+        assert check.metadata["undeclared_defaults"].value == "grade"
+        assert check.metadata["columns_some_changes_lack"].value == "grade"
+    columns = {**DEFAULTS_TABLE["columns"], "grade": {"type": "int", "default": 7}}
+    declared = TableSpec.model_validate({**DEFAULTS_TABLE, "columns": columns})
+    assert schema_drift_result(result, declared, POLICY).passed
+
+
 def test_an_hour_whose_every_change_is_an_error_fails_changes_readable():
     reason = "column 'balance' holds decimal text ..."
     policy = CheckPolicy(severity="ERROR", blocking=True)
