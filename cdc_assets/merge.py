@@ -526,7 +526,8 @@ def _outcome(
     )
     inserted = metric("numTargetRowsInserted")
     split = None
-    if ledger is not None and properties.get(CHANGE_DATA_FEED) == "true" and hasattr(ledger, "change_rows"):  # TEMPORARY
+    feed = properties.get(CHANGE_DATA_FEED) == "true"
+    if ledger is not None and feed and hasattr(ledger, "change_rows"):  # TEMPORARY
         split = live_split(spec, ledger, version)
     if split is None:
         split = (

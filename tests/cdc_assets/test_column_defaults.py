@@ -122,7 +122,7 @@ def test_every_runs_record_carries_the_running_records_an_empty_hour_too():
     newest = {"hour": "x", COLUMN_DEFAULTS: {"memo": "none"}, SOURCE_COLUMNS: ["id", "memo"]}
     newest[LACKED_COLUMNS] = ["memo"]
     ctx = HourContext(
-        *([None] * 4), "2026-11-03-09:00", None, None, "/lake/t", None, 3, [newest]
+        *([None] * 4), "2026-11-03-09:00", None, None, "/lake/t", None, 3, [newest], None
     )  # only the hour and the history matter here
     empty = _record(ctx, hour, consumed=0, tombstones=0, errors=0, newest_ms=None)
     assert empty[COLUMN_DEFAULTS] == {"memo": "none"}
