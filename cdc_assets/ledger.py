@@ -7,6 +7,10 @@ the operation and its metrics. This reads those files directly (a local folder, 
 the lake's boto3 client), newest first, and keeps what it read, so a run that looks at the same
 table hour after hour reads each commit once.
 
+The same files give the table's schema, properties and protocol (`table_metadata`), replayed as
+Delta does. Where the log holds what this can't read faithfully, that is None and the caller
+asks Spark.
+
 Delta keeps commit files for `delta.logRetentionDuration` (30 days by default); older commits
 are only in checkpoints, which carry no commitInfo. That is also all `DESCRIBE HISTORY` shows.
 """
@@ -21,7 +25,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 _COMMIT_FILE = re.compile(r"^(\d{20})\.json$")
+# Classic (`<v>.checkpoint.parquet`) and multi-part (`<v>.checkpoint.<i>.<n>.parquet`)
+# checkpoints, and the UUID-named v2 ones (`<v>.checkpoint.<uuid>.json|parquet`, with sidecars).
+_CHECKPOINT_FILE = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
+_V2_CHECKPOINT_FILE = re.compile(r"^(\d{20})\.checkpoint\.[0-9a-fA-F-]{36}\.(?:json|parquet)$")
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,48 @@ class Commit:
     # The pipeline's userMetadata (the run's record), None for other commits.
     metadata: dict[str, Any] | None
     metrics: dict[str, str] = field(default_factory=dict)
+    # The commit's `metaData` and `protocol` actions as written, None where it changed neither.
+    metadata_action: dict[str, Any] | None = None
+    protocol_action: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What a reader and a writer of the table must support (Delta's `protocol` action)."""
+
+    min_reader_version: int
+    min_writer_version: int
+    reader_features: tuple[str, ...] = ()
+    writer_features: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TableMetadata:
+    """A Delta table's metadata at a version, as its log's replay leaves it."""
+
+    version: int
+    id: str
+    # The parsed `schemaString`, what `pyspark.sql.types.StructType.fromJson` takes. As stored:
+    # Spark's DataFrame schema leaves out Delta's internal field metadata (column defaults,
+    # column-mapping ids, type changes), which the mirrors' columns do not carry.
+    schema: dict[str, Any]
+    partition_columns: tuple[str, ...]
+    # The table's properties as stored (`delta.*` and the project's own).
+    configuration: dict[str, str]
+    protocol: Protocol
+
+    def properties(self) -> dict[str, str]:
+        """The properties `SHOW TBLPROPERTIES` lists: the configuration, the protocol's versions
+        and `delta.feature.<name>` for each feature (Delta's `Snapshot.getProperties`; a
+        clustered table's clustering columns are not among them)."""
+        protocol = self.protocol
+        listed = {k: v for k, v in self.configuration.items() if k != "path"}
+        listed["delta.minReaderVersion"] = str(protocol.min_reader_version)
+        listed["delta.minWriterVersion"] = str(protocol.min_writer_version)
+        if protocol.min_reader_version >= 3 or protocol.min_writer_version >= 7:
+            for name in sorted({*protocol.reader_features, *protocol.writer_features}):
+                listed[f"delta.feature.{name}"] = "supported"
+        return listed
 
 
 class DeltaLog:
@@ -119,6 +172,81 @@ class DeltaLog:
         except (ValueError, KeyError, TypeError):
             return None
 
+    def table_metadata(self, *, relist: bool = True) -> TableMetadata | None:
+        """The table's current schema, properties and protocol, read from its log without Spark;
+        None before the table exists (`relist=False`: by this instance's last listing, as in
+        `size_bytes`).
+
+        Replayed as Delta does: the newest `metaData` and `protocol` actions win, looked for in
+        the commits after the newest complete checkpoint, newest first, then in that checkpoint
+        (classic or multi-part Parquet, only those two columns read). None also where this can't
+        replay the log faithfully, for the caller to ask Spark: the checkpoint it needs is a v2
+        one (UUID-named), a commit after it is missing, or the table is catalog-managed (its
+        newest commits need not be in the folder yet). `exists()` tells that from no table.
+        """
+        if relist or self._stamps is None:
+            self._stamps = self._list()
+        return self._replay(None)
+
+    def _replay(self, version: int | None) -> TableMetadata | None:
+        """The table's metadata at `version` (the latest where None), by the last listing."""
+        commits = set(self._listed())
+        checkpoints = _checkpoints(self._stamps or {})
+        latest = max([*commits, *checkpoints], default=None)
+        if latest is None or (version is not None and not 0 <= version <= latest):
+            return None
+        target = latest if version is None else version
+        base = max((v for v in checkpoints if v <= target), default=-1)
+        meta = protocol = None
+        for v in range(target, base, -1):
+            if v not in commits:
+                return None  # a gap in the log: no table state to replay
+            commit = self._read(v)
+            meta = meta if meta is not None else commit.metadata_action
+            protocol = protocol if protocol is not None else commit.protocol_action
+            if meta is not None and protocol is not None:
+                break
+        else:
+            if base >= 0:
+                found = self._checkpoint_actions(checkpoints[base])
+                if found is None:
+                    return None
+                meta = meta if meta is not None else found[0]
+                protocol = protocol if protocol is not None else found[1]
+        if meta is None or protocol is None:
+            return None
+        table = _table_metadata(target, meta, protocol)
+        return None if table is None or _catalog_managed(table) else table
+
+    def _checkpoint_actions(self, names: tuple[str, ...] | None) -> tuple[dict, dict] | None:
+        """The `metaData` and `protocol` actions of a checkpoint (its Parquet parts); None for a
+        v2 checkpoint (`names` None) or one that can't be read."""
+        if names is None:
+            return None
+        stamp = tuple((self._stamps or {}).get(name) for name in names)
+        cached = _CHECKPOINTS.get(self.path)
+        if cached is not None and cached[0] == (names, stamp):
+            return cached[1]
+        meta = protocol = None
+        try:
+            for name in names:
+                if self._folder is not None:
+                    source: Any = self._folder / name
+                else:
+                    source = pa.BufferReader(self._bytes(name))
+                actions = pq.read_table(source, columns=["metaData", "protocol"])
+                metas = actions.column("metaData").drop_null().to_pylist()
+                protocols = actions.column("protocol").drop_null().to_pylist()
+                meta = meta if meta is not None or not metas else metas[0]
+                protocol = protocol if protocol is not None or not protocols else protocols[0]
+        except (pa.ArrowException, OSError, ValueError, KeyError):
+            return None
+        if meta is None or protocol is None:
+            return None
+        if None not in stamp:
+            _CHECKPOINTS[self.path] = ((names, stamp), (meta, protocol))
+        return meta, protocol
+
     def _list(self) -> dict[str, Any]:
         """The log's file names, each with what tells a rewritten file from the one cached."""
         if self._folder is not None:
@@ -148,10 +276,14 @@ class DeltaLog:
 
     def _text(self, name: str) -> str:
         """A file of the log, as text."""
+        return self._bytes(name).decode()
+
+    def _bytes(self, name: str) -> bytes:
+        """A file of the log."""
         if self._folder is not None:
-            return (self._folder / name).read_text()
+            return (self._folder / name).read_bytes()
         answer = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + name)
-        return answer["Body"].read().decode()
+        return answer["Body"].read()
 
 
 # Commit files are written once, but a table can be dropped and made again at the same path:
@@ -160,23 +292,97 @@ class DeltaLog:
 _READ: dict[tuple[str, str], tuple[Any, Commit]] = {}
 
 
+# The same for the metaData and protocol actions of a table's newest checkpoint read (an older
+# one is not read again once a newer one exists).
+_CHECKPOINTS: dict[str, tuple[Any, tuple[dict, dict]]] = {}
+
+
 def _parse(version: int, text: str) -> Commit:
-    """The commit's commitInfo action."""
+    """The commit's commitInfo, and its metaData and protocol actions."""
+    info: dict[str, Any] | None = None
+    meta = protocol = None
     for line in text.splitlines():
-        action = json.loads(line) if line.strip() else {}
-        info = action.get("commitInfo")
-        if info is None:
+        if not line.strip():
             continue
+        for kind, action in json.loads(line).items():
+            if kind == "commitInfo" and info is None:
+                info = action or {}
+            elif kind == "metaData":
+                meta = action
+            elif kind == "protocol":
+                protocol = action
+    info = info or {}
+    try:
+        parsed = json.loads(info.get("userMetadata") or "null")
+        metadata = parsed if isinstance(parsed, dict) else None
+    except ValueError:
         metadata = None
-        try:
-            parsed = json.loads(info.get("userMetadata") or "null")
-            metadata = parsed if isinstance(parsed, dict) else None
-        except ValueError:
-            metadata = None
-        return Commit(
+    return Commit(
+        version=version,
+        operation=info.get("operation"),
+        metadata=metadata,
+        metrics=dict(info.get("operationMetrics") or {}),
+        metadata_action=meta,
+        protocol_action=protocol,
+    )
+
+
+def _checkpoints(names) -> dict[int, tuple[str, ...] | None]:
+    """The complete checkpoints among the log's files: version -> the Parquet files to read (a
+    classic one where a version has both kinds), or None where a version has only a v2 one.
+    A multi-part checkpoint with a part missing is not one (a writer may still be at it). Taken
+    from the listing, not `_last_checkpoint`: Delta reads that only as where to start listing,
+    and the ledger lists the whole folder anyway."""
+    classic: dict[int, tuple[str, ...]] = {}
+    parts: dict[tuple[int, int], set[int]] = {}
+    found: dict[int, tuple[str, ...] | None] = {}
+    for name in names:
+        if m := _CHECKPOINT_FILE.match(name):
+            if m[2] is None:
+                classic[int(m[1])] = (name,)
+            else:
+                parts.setdefault((int(m[1]), int(m[3])), set()).add(int(m[2]))
+        elif m := _V2_CHECKPOINT_FILE.match(name):
+            found[int(m[1])] = None
+    for (version, count), seen in parts.items():
+        if seen == set(range(1, count + 1)):
+            found[version] = tuple(
+                f"{version:020d}.checkpoint.{i:010d}.{count:010d}.parquet"
+                for i in range(1, count + 1)
+            )
+    found.update(classic)
+    return found
+
+
+def _table_metadata(version: int, meta: dict, protocol: dict) -> TableMetadata | None:
+    """The metadata from a metaData and a protocol action, as a commit (JSON) or a checkpoint
+    (Parquet: maps as lists of pairs) holds them; None for actions not as Delta writes them."""
+    try:
+        return TableMetadata(
             version=version,
-            operation=info.get("operation"),
-            metadata=metadata,
-            metrics=dict(info.get("operationMetrics") or {}),
+            id=meta["id"],
+            schema=json.loads(meta["schemaString"]),
+            partition_columns=tuple(meta.get("partitionColumns") or ()),
+            configuration=dict(meta.get("configuration") or {}),
+            protocol=Protocol(
+                min_reader_version=int(protocol["minReaderVersion"]),
+                min_writer_version=int(protocol["minWriterVersion"]),
+                reader_features=tuple(protocol.get("readerFeatures") or ()),
+                writer_features=tuple(protocol.get("writerFeatures") or ()),
+            ),
         )
-    return Commit(version=version, operation=None, metadata=None)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# A catalog or commit coordinator holds the newest commits of such a table; the log's folder
+# may not have them yet.
+_MANAGED_FEATURES = frozenset(
+    {"catalogManaged", "catalogOwned-preview", "coordinatedCommits-preview"}
+)
+_COORDINATOR = "delta.coordinatedCommits.commitCoordinator-preview"
+
+
+def _catalog_managed(table: TableMetadata) -> bool:
+    features = {*table.protocol.reader_features, *table.protocol.writer_features}
+    return bool(features & _MANAGED_FEATURES) or _COORDINATOR in table.configuration
