@@ -207,7 +207,7 @@ def stored_table(spark: SparkSession, path: str, ledger: DeltaLog | None = None)
     """The table at `path` as its log describes it: read without Spark where the lake allows
     (`DeltaLog.table_metadata`), else through Spark (`DeltaTable`, SHOW TBLPROPERTIES)."""
     ledger = ledger or delta_log(path)
-    if ledger is not None and hasattr(ledger, "table_metadata"):  # TEMPORARY
+    if ledger is not None:
         metadata = ledger.table_metadata()
         if metadata is not None:
             properties = {k: str(v).strip().lower() for k, v in metadata.configuration.items()}

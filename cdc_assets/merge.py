@@ -142,14 +142,18 @@ def ensure_mirror_table(
 def _create(spark: SparkSession, path: str, schema: T.StructType, spec: TableSpec) -> None:
     """The mirror at `path`, created with `schema` and the table's settings (one commit; a
     writer that created it meanwhile wins, and its table is used)."""
-    (
-        DeltaTable.createIfNotExists(spark)
-        .location(path)
-        .addColumns(schema)
-        .property(CHANGE_DATA_FEED, str(bool(spec.change_data_feed)).lower())
-        .property(DELETION_VECTORS_PROPERTY, str(spec.deletion_vectors).lower())
-        .execute()
-    )
+    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
+    for name, value in _created_with(spec).items():
+        builder = builder.property(name, value)
+    builder.execute()
+
+
+def _created_with(spec: TableSpec) -> dict[str, str]:
+    """The properties a new mirror of `spec` is created with."""
+    return {
+        CHANGE_DATA_FEED: str(bool(spec.change_data_feed)).lower(),
+        DELETION_VECTORS_PROPERTY: str(spec.deletion_vectors).lower(),
+    }
 
 
 def _apply_change_data_feed(
@@ -443,7 +447,9 @@ def _merge_once(
         # Every change was stale (or there was none): Delta committed nothing.
         return _recorded(spark, path, run_metadata, ledger, source_rows, replayed=False)
     version, metrics = mine
-    return _outcome(spec, version, metrics, ledger, stored.properties)
+    # A mirror this run created has the settings it was created with.
+    properties = stored.properties if stored.schema is not None else _created_with(spec)
+    return _outcome(spec, version, metrics, ledger, properties)
 
 
 def _recorded(
@@ -527,7 +533,7 @@ def _outcome(
     inserted = metric("numTargetRowsInserted")
     split = None
     feed = properties.get(CHANGE_DATA_FEED) == "true"
-    if ledger is not None and feed and hasattr(ledger, "change_rows"):  # TEMPORARY
+    if ledger is not None and feed:
         split = live_split(spec, ledger, version)
     if split is None:
         split = (
