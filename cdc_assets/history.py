@@ -55,7 +55,17 @@ from cdc_assets.columns import (
     has_value,
     source_fields,
 )
-from cdc_assets.commits import commit_metadata, delta_log, ledger_commit, retry_on_conflict
+from cdc_assets.commits import (
+    LEDGER_OPERATION,
+    applied_before,
+    commit_metadata,
+    current_version,
+    delta_log,
+    ledger_commit,
+    prepared,
+    retry_on_conflict,
+    stored_table,
+)
 from cdc_assets.config import TableSpec
 from cdc_assets.history_moves import moves_of
 from cdc_assets.merge import (
@@ -110,22 +120,40 @@ def version_columns(spec: TableSpec, data: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class HistoryOutcome:
-    """What one run did to the history: the hour's versions (distinct key and source sequence),
-    how many of them were stored already, the versions the MERGE inserted (Delta's metric, so
-    the three can disagree), the stored versions it closed (their key got a newer one) and the
-    stored versions it rewrote in all (closed, split, refilled); its commit's version; the
+    """What one run did to the history: the hour's versions (distinct key and source sequence,
+    counted on the batch), the versions the MERGE inserted and the stored versions it rewrote
+    (closed, split, refilled), both Delta's metrics read from its commit; the MERGE's commit
+    (None: it changed nothing) and the commit that recorded the run (the MERGE's, or a
+    metadata-only one; None: the history's log holds no commit of this run); whether the run's
+    slice was on record in the history already (a replay: nothing derived or written); the
     primary-key moves the hour's keys take part in (`toasted_columns` only: stored ones whose
     old or new key the hour touches, and the hour's own), and the versions filled from their
     life's move afterwards (`history_moves`)."""
 
     versions: int
-    known: int
     opened: int
-    closed: int
     rewritten: int
     version: int | None
+    recorded_version: int | None = None
+    replayed: bool = False
     moves: int = 0
     filled_from_moves: int = 0
+
+    @property
+    def problems(self) -> list[str]:
+        """What the run's own figures show wrong (the `history` check, per hour)."""
+        found = []
+        if self.recorded_version is None:
+            found.append(
+                "the history's log holds no commit of this run: its write did not commit (run "
+                "the hour again: it writes what the history lacks)"
+            )
+        if self.opened > self.versions:
+            found.append(
+                f"the history's MERGE inserted {self.opened} versions, more than the hour's "
+                f"{self.versions}: a version was derived twice"
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -199,6 +227,7 @@ def write_history(
     path: str,
     changes: DataFrame,
     *,
+    versions: int,
     ingested_at,
     run_metadata: dict,
     key_range: Mapping[str, tuple] | None = None,
@@ -206,16 +235,21 @@ def write_history(
     s3_client=None,
 ) -> HistoryOutcome:
     """MERGEs the hour's versions into the history at `path` (created on the first run) and
-    re-derives the ends of the keys it touches, in one commit carrying `run_metadata`; a run
-    that changes nothing records itself in a metadata-only commit. A column with a default
-    (`defaults`, as the mirror's MERGE takes them) that the history gains shows it in the
-    versions from before, as the mirror's rows from before do (`merge.fill_defaults`)."""
+    re-derives the ends of the keys it touches, in one commit carrying `run_metadata`: the
+    versions derived in the MERGE's own source, its figures read from its commit. A run that
+    changes nothing records itself in a metadata-only commit; a slice the history's log shows
+    applied already (`commits.applied_before`) is recorded and not derived again. `versions`
+    is the hour's count of them (distinct key and source sequence), counted on the batch. A
+    column with a default (`defaults`, as the mirror's MERGE takes them) that the history
+    gains shows it in the versions from before, as the mirror's rows from before do
+    (`merge.fill_defaults`)."""
     return retry_on_conflict(
         lambda: _write_once(
             spark,
             spec,
             path,
             changes,
+            versions,
             ingested_at,
             run_metadata,
             key_range or {},
@@ -232,6 +266,7 @@ def _write_once(
     spec: TableSpec,
     path: str,
     changes: DataFrame,
+    versions: int,
     ingested_at,
     run_metadata: dict,
     key_range: Mapping[str, tuple],
@@ -239,54 +274,47 @@ def _write_once(
     s3_client,
 ) -> HistoryOutcome:
     keys = list(spec.primary_key)
+    ledger = delta_log(path, s3_client)
     fields = source_fields(changes.schema[SEQUENCE].dataType)
     new = hour_versions(spec, changes, ingested_at)
     data = data_columns(spec, changes)
     columns = version_columns(spec, data)
     schema = _schema(spec, new, columns)
-    table = create_history_table(spark, path, schema, spec)
+    stored = ensure_history_table(spark, path, schema, spec, ledger, run_metadata)
+    if replayed(ledger, run_metadata):
+        recorded = record_once(spark, path, run_metadata, ledger)
+        return HistoryOutcome(versions, 0, 0, None, recorded, replayed=True)
     # Not into deletes' versions: the decoder gives a delete's before-image no default.
     live = ~F.col(DELETED)
-    if fill_defaults(spark, path, spec, schema, defaults, table.toDF().schema, live):
-        table = DeltaTable.forPath(spark, path)  # one made before the schema changed
-    stored = _affected_versions(spark, path, keys, key_range, new)
-    stored_names = {f.name.lower() for f in table.toDF().schema}
+    if fill_defaults(spark, path, spec, schema, defaults, stored, live, run_metadata=run_metadata):
+        stored = DeltaTable.forPath(spark, path).toDF().schema  # a column was added
+    table = DeltaTable.forPath(spark, path)
+    stored_names = {f.name.lower() for f in stored}
     evolving = any(c.lower() not in stored_names for c in columns)
-    derived = _derived(spec, new, stored, data, fields).persist()
-    try:
-        # The hour's versions counted on the batch itself, apart from the versions derived.
-        versions = changes.select(*keys, *(F.col(f"{SEQUENCE}.{f}") for f in fields)).distinct()
-        counts = derived.agg(
-            F.count(F.when(F.col("_new") & F.col("_stored"), 1)).alias("known"),
-            F.count(F.when(F.col("_was_current") & ~F.col(CURRENT), 1)).alias("closed"),
-        ).crossJoin(versions.agg(F.count(F.lit(1)).alias("versions")))
-        if spec.toasted_columns:  # the moves' lives `history_moves` fills afterwards
-            moves = _moves(spec, table.toDF(), new)
-            counts = counts.crossJoin(moves.agg(F.count(F.lit(1)).alias("moves")))
-        counted = counts.first().asDict()  # one Spark action for them all
-        source = derived.select(*columns)
-        merge = table.alias("t").merge(source.alias("s"), same_version(keys, fields, key_range))
-        if evolving:
-            merge = merge.withSchemaEvolution()
-        # What a run may change in a stored version.
-        changed = changed_columns(
-            [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)], stored_names
-        )
-        merge = merge.whenMatchedUpdate(
-            condition=changed, set={c: F.col(f"s.`{c}`") for c in columns}
-        ).whenNotMatchedInsert(values={c: F.col(f"s.`{c}`") for c in columns})
-        metrics, version = execute_recorded(spark, spec, path, merge, run_metadata, s3_client)
-        return HistoryOutcome(
-            versions=int(counted["versions"]),
-            known=int(counted["known"]),
-            opened=int(metrics.get("num_inserted_rows", 0)),
-            closed=int(counted["closed"]) if metrics else 0,
-            rewritten=int(metrics.get("num_updated_rows", 0)),
-            version=version,
-            moves=int(counted.get("moves", 0)),
-        )
-    finally:
-        derived.unpersist()
+    moves = 0
+    if spec.toasted_columns:  # the moves' lives `history_moves` fills afterwards: a count
+        moves = _moves(spec, table.toDF(), new).count()
+    affected = _affected_versions(spark, path, keys, key_range, new)
+    source = _derived(spec, new, affected, data, fields).select(*columns)
+    merge = table.alias("t").merge(source.alias("s"), same_version(keys, fields, key_range))
+    if evolving:
+        merge = merge.withSchemaEvolution()
+    # What a run may change in a stored version.
+    changed = changed_columns(
+        [SEQUENCE, END_SEQUENCE, VALID_TO, CURRENT, *_filled(spec)], stored_names
+    )
+    merge = merge.whenMatchedUpdate(
+        condition=changed, set={c: F.col(f"s.`{c}`") for c in columns}
+    ).whenNotMatchedInsert(values={c: F.col(f"s.`{c}`") for c in columns})
+    metrics, version, recorded = execute_recorded(spark, spec, path, merge, run_metadata, ledger)
+    return HistoryOutcome(
+        versions=versions,
+        opened=int(metrics.get("numTargetRowsInserted") or 0),
+        rewritten=int(metrics.get("numTargetRowsUpdated") or 0),
+        version=version,
+        recorded_version=recorded,
+        moves=moves,
+    )
 
 
 def _moves(spec: TableSpec, stored: DataFrame, new: DataFrame) -> DataFrame:
@@ -323,22 +351,48 @@ def changed_columns(columns: list[str], stored_names: set[str]) -> str:
 
 
 def execute_recorded(
-    spark: SparkSession, spec: TableSpec, path: str, merge, run_metadata: dict, s3_client
-) -> tuple[dict[str, int], int | None]:
+    spark: SparkSession, spec: TableSpec, path: str, merge, run_metadata: dict, ledger
+) -> tuple[dict[str, str], int | None, int | None]:
     """Executes a history MERGE (deletion vectors as the table's size says) in a commit that
     carries `run_metadata`; one that changes nothing is replaced by a metadata-only commit, so
-    the run is on record all the same. Returns Delta's metrics ({} for none) and the MERGE's
-    commit version."""
-    ledger = delta_log(path, s3_client)
+    the run is on record all the same. Returns Delta's operation metrics as its commit holds
+    them ({} for none), the MERGE's commit version (None: no MERGE commit) and the version
+    that recorded the run (None: the log holds no commit of it). Read from the log without
+    Spark (`ledger`); a lake whose log only Spark reads, through Spark."""
     size = ledger.size_bytes() if ledger is not None else None
     spark.conf.set(MERGE_PERSISTENT_DVS, str(persistent_deletion_vectors(spec, size)).lower())
+    before = ledger.latest_version() if ledger is not None else None
     with commit_metadata(spark, run_metadata):
-        metrics = merge.execute().first().asDict()
-        if not metrics["num_affected_rows"]:
-            ledger_commit(spark, path)
-            return {}, None
-    mine = None if ledger is None else ledger.run_commit(run_metadata, "MERGE")
-    return metrics, None if mine is None else mine.version
+        returned = merge.execute()
+    if ledger is None:
+        if returned.first()["num_affected_rows"]:
+            version = current_version(spark, path)
+            commit = DeltaTable.forPath(spark, path).history(1).first()
+            return dict(commit["operationMetrics"]), version, version
+        return {}, None, record_once(spark, path, run_metadata, ledger)
+    mine = ledger.run_commit(run_metadata, "MERGE")
+    if mine is not None and (before is None or mine.version > before):
+        return mine.metrics, mine.version, mine.version
+    return {}, None, record_once(spark, path, run_metadata, ledger)
+
+
+def record_once(spark: SparkSession, path: str, run_metadata: dict, ledger) -> int | None:
+    """Records a run that changed nothing in a history table in a metadata-only commit;
+    returns its version (None where it can't be read back)."""
+    with commit_metadata(spark, run_metadata):
+        ledger_commit(spark, path)
+    if ledger is None:
+        return current_version(spark, path)
+    mine = ledger.run_commit(run_metadata, LEDGER_OPERATION)
+    return None if mine is None else mine.version
+
+
+def replayed(ledger, run_metadata: dict) -> bool:
+    """Whether the history's log shows this run's slice applied (`commits.applied_before`)."""
+    if ledger is None:
+        return False
+    _, history = ledger.hour_history()
+    return applied_before(history, run_metadata["hour"], run_metadata["slice"])
 
 
 def _filled(spec: TableSpec) -> list[str]:
@@ -381,6 +435,25 @@ def create_history_table(
     for name, value in (properties or {}).items():
         builder = builder.property(name, value)
     return builder.execute()
+
+
+def ensure_history_table(
+    spark: SparkSession,
+    path: str,
+    schema: T.StructType,
+    spec: TableSpec,
+    ledger,
+    run_metadata: dict,
+    properties: Mapping[str, str] | None = None,
+) -> T.StructType:
+    """The history table's schema as stored; created first (`create_history_table`, in a
+    commit carrying the run's record marked `prepares`) when its log shows none."""
+    stored = stored_table(spark, path, ledger).schema
+    if stored is not None:
+        return stored
+    with commit_metadata(spark, prepared(run_metadata, "the history's table")):
+        create_history_table(spark, path, schema, spec, properties)
+    return schema
 
 
 def _mirror_rows(

@@ -59,9 +59,11 @@ from cdc_assets.history import (
     VALID_FROM,
     VALID_TO,
     changed_columns,
-    create_history_table,
+    ensure_history_table,
     execute_recorded,
     history_name,
+    record_once,
+    replayed,
     same_version,
 )
 from cdc_assets.merge import MirrorSettingError, fill_defaults
@@ -183,6 +185,8 @@ class FoldOutcome:
     updated: int
     deleted: int
     version: int | None
+    # The commit that recorded the run (the MERGE's or a metadata-only one; None: none).
+    recorded_version: int | None = None
 
 
 def fold_history(
@@ -231,18 +235,22 @@ def _fold_once(
     s3_client,
 ) -> FoldOutcome:
     keys = list(spec.primary_key)
+    ledger = delta_log(path, s3_client)
     stored_changes = _in_range(spark.read.format("delta").load(changes_path), key_range)
     schema = _folded_schema(stored_changes)
     columns = [f.name for f in schema]
     fields = source_fields(schema[SEQUENCE].dataType)
-    table = create_history_table(
-        spark, path, schema, spec, properties={TRACKING_PROPERTY: tracking(spec) or ""}
-    )
-    target_schema = table.toDF().schema
+    setting = {TRACKING_PROPERTY: tracking(spec) or ""}
+    target_schema = ensure_history_table(spark, path, schema, spec, ledger, run_metadata, setting)
+    if replayed(ledger, run_metadata):
+        return FoldOutcome(0, 0, 0, 0, None, record_once(spark, path, run_metadata, ledger))
     # Not into deletes' versions: the decoder gives a delete's before-image no default.
-    if fill_defaults(spark, path, spec, schema, defaults, target_schema, ~F.col(DELETED)):
-        table = DeltaTable.forPath(spark, path)  # one made before the schema changed
-        target_schema = table.toDF().schema
+    deleted = ~F.col(DELETED)
+    if fill_defaults(
+        spark, path, spec, schema, defaults, target_schema, deleted, run_metadata=run_metadata
+    ):
+        target_schema = DeltaTable.forPath(spark, path).toDF().schema  # a column was added
+    table = DeltaTable.forPath(spark, path)
     stored_names = {f.name.lower() for f in target_schema}
 
     def position(column: str) -> Column:
@@ -310,41 +318,44 @@ def _fold_once(
             | (position(END_SEQUENCE) >= F.col("_first"))
         )
     )
-    folded = _folded(spec, refolded, columns, schema).persist()
-    try:
-        identity = [*keys, *(F.col(f"{SEQUENCE}.{f}").alias(f"_id_{f}") for f in fields)]
-        gone = affected.select(*identity, SEQUENCE).join(
-            folded.select(*identity), on=[*keys, *(f"_id_{f}" for f in fields)], how="left_anti"
+    folded = _folded(spec, refolded, columns, schema)
+    identity = [*keys, *(F.col(f"{SEQUENCE}.{f}").alias(f"_id_{f}") for f in fields)]
+    gone = affected.select(*identity, SEQUENCE).join(
+        folded.select(*identity), on=[*keys, *(f"_id_{f}" for f in fields)], how="left_anti"
+    )
+    source = folded.select(*columns, F.lit(False).alias(DROP)).unionByName(
+        gone.select(*keys, SEQUENCE, F.lit(True).alias(DROP)), allowMissingColumns=True
+    )
+    same = same_version(keys, fields, key_range)
+    merge = table.alias("t").merge(source.alias("s"), same)
+    if any(c.lower() not in stored_names for c in columns):
+        merge = merge.withSchemaEvolution()
+    changed = changed_columns(columns, stored_names)
+    merge = (
+        merge.whenMatchedDelete(condition=f"s.`{DROP}`")
+        .whenMatchedUpdate(
+            condition=f"NOT s.`{DROP}` AND ({changed})",
+            set={c: F.col(f"s.`{c}`") for c in columns},
         )
-        source = folded.select(*columns, F.lit(False).alias(DROP)).unionByName(
-            gone.select(*keys, SEQUENCE, F.lit(True).alias(DROP)), allowMissingColumns=True
+        .whenNotMatchedInsert(
+            condition=f"NOT s.`{DROP}`", values={c: F.col(f"s.`{c}`") for c in columns}
         )
-        same = same_version(keys, fields, key_range)
-        merge = table.alias("t").merge(source.alias("s"), same)
-        if any(c.lower() not in stored_names for c in columns):
-            merge = merge.withSchemaEvolution()
-        changed = changed_columns(columns, stored_names)
-        merge = (
-            merge.whenMatchedDelete(condition=f"s.`{DROP}`")
-            .whenMatchedUpdate(
-                condition=f"NOT s.`{DROP}` AND ({changed})",
-                set={c: F.col(f"s.`{c}`") for c in columns},
-            )
-            .whenNotMatchedInsert(
-                condition=f"NOT s.`{DROP}`", values={c: F.col(f"s.`{c}`") for c in columns}
-            )
-        )
-        versions = folded.count()
-        metrics, version = execute_recorded(spark, spec, path, merge, run_metadata, s3_client)
-        return FoldOutcome(
-            versions=versions,
-            inserted=int(metrics.get("num_inserted_rows", 0)),
-            updated=int(metrics.get("num_updated_rows", 0)),
-            deleted=int(metrics.get("num_deleted_rows", 0)),
-            version=version,
-        )
-    finally:
-        folded.unpersist()
+    )
+    metrics, version, recorded = execute_recorded(spark, spec, path, merge, run_metadata, ledger)
+
+    def metric(name: str) -> int:
+        return int(metrics.get(name) or 0)
+
+    # Every version that no longer is matches its stored row and is deleted: the versions
+    # derived are the MERGE's source rows less those.
+    return FoldOutcome(
+        versions=metric("numSourceRows") - metric("numTargetRowsDeleted"),
+        inserted=metric("numTargetRowsInserted"),
+        updated=metric("numTargetRowsUpdated"),
+        deleted=metric("numTargetRowsDeleted"),
+        version=version,
+        recorded_version=recorded,
+    )
 
 
 def fold_all(spec: TableSpec, changes: DataFrame) -> DataFrame:

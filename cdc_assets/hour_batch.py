@@ -29,6 +29,7 @@ from cdc_assets.checking import AuditVerdict, MirrorChecks
 from cdc_assets.columns import (
     DELETED,
     ERROR,
+    KAFKA_FIELDS,
     KAFKA_OFFSET,
     KAFKA_PARTITION,
     MOVED_FROM,
@@ -39,6 +40,7 @@ from cdc_assets.columns import (
     TALLY,
     TOMBSTONE,
     TRUNCATE,
+    source_fields,
 )
 from cdc_assets.config import TableSpec
 from cdc_assets.decoding.shape import SourceShape
@@ -160,6 +162,19 @@ class DriverBatch:
         distinct = rows.select(keys).group_by(keys).aggregate([]).num_rows
         return Applicable(self.frame(rows), rows, older, distinct)
 
+    def versions(self, applicable: Applicable) -> int:
+        """The history's versions among the applicable changes: distinct key and source
+        sequence (a change delivered twice is one version)."""
+        rows = applicable.rows
+        sequence = rows.column(SEQUENCE).combine_chunks()
+        parts = {
+            f"_v_{sequence.type.field(n).name}": sequence.field(n)
+            for n in range(sequence.type.num_fields)
+            if sequence.type.field(n).name not in KAFKA_FIELDS
+        }
+        keys = {k: rows.column(k) for k in self.spec.primary_key}
+        return pa.table({**keys, **parts}).group_by([*keys, *parts]).aggregate([]).num_rows
+
     def latest(self, applicable: Applicable, spec: TableSpec) -> Latest:
         """The newest change per key by the rule of `spec` (the table as the mirror stores
         it), taken in memory; the MERGE's source built from it."""
@@ -216,6 +231,11 @@ class SparkBatch:
             good = good.where(F.col(SEQUENCE) > bound)
         distinct = good.select(*self.spec.primary_key).distinct().count()
         return Applicable(good, None, older, distinct)
+
+    def versions(self, applicable: Applicable) -> int:
+        fields = source_fields(applicable.frame.schema[SEQUENCE].dataType)
+        identity = [F.col(f"{SEQUENCE}.{f}").alias(f"_v_{f}") for f in fields]
+        return applicable.frame.select(*self.spec.primary_key, *identity).distinct().count()
 
     def latest(self, applicable: Applicable, spec: TableSpec) -> Latest:
         latest = self._keep(latest_per_key(applicable.frame, spec))

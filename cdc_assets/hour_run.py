@@ -61,7 +61,7 @@ from cdc_assets.decoding.shape import SourceShape, added_column_types, lacked_co
 from cdc_assets.decoding.spark import decode, decode_locally
 from cdc_assets.decoding.tally import Tally, key_value
 from cdc_assets.error_table import write_errors
-from cdc_assets.history import audit_history, data_columns, history_name, write_history
+from cdc_assets.history import history_name, write_history
 from cdc_assets.history_moves import MovedVersions, follow_moves
 from cdc_assets.history_tracking import (
     changes_name,
@@ -295,6 +295,7 @@ def apply(ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack
             s3_client=ctx.lake.s3_client(),
         )
     latest = batch.latest(good, spec)  # the MERGE's source, the expectations' rows
+    versions = batch.versions(good) if ctx.spec.history else 0
     defaults = fillable_defaults(
         spec, changes.defaults, changes.stored_schema, set(ctx.running(SOURCE_COLUMNS, ()))
     )
@@ -327,6 +328,7 @@ def apply(ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack
         version=version,
         latest=latest,
         good=good,
+        versions=versions,
         commit=commit,
         tally=tally,
         defaults=defaults,
@@ -335,33 +337,35 @@ def apply(ctx: HourContext, hour: HourPlan, changes: DecodedHour, held: HeldBack
 
 def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryRun | None:
     """A table with `history: true`: every applied change of the hour becomes a version in
-    `<table>__history`, in a commit of its own after the mirror's, carrying the same record (a
-    crash between the two is repaired by running the hour again); TOASTed values carried over
-    primary-key moves the hour takes part in (`cdc_assets.history_moves`, commits of their own);
-    with tracked columns in `<table>__history_changes`, then folded into `<table>__history` in a
-    further commit (`cdc_assets.history_tracking`). Then the stored versions of the keys the run
-    touched in the history readers query are judged against themselves and the mirror
-    (`cdc_assets.history`)."""
+    `<table>__history`, in one MERGE whose source derives the versions of the hour's keys,
+    a commit of its own after the mirror's carrying the same record (a crash between the two is
+    repaired by running the hour again); TOASTed values carried over primary-key moves the hour
+    takes part in (`cdc_assets.history_moves`, commits of their own); with tracked columns in
+    `<table>__history_changes`, then folded into `<table>__history` in a further MERGE
+    (`cdc_assets.history_tracking`). Its figures come from the batch and the commits; the
+    versions against the mirror, whole, are judged daily (`checks.daily`)."""
     if not ctx.spec.history:
         return None
     spec, lake = applied.spec, ctx.lake
     path, per_change = lake.table_path(history_name(spec)), lake.table_path(per_change_name(spec))
     bounds = key_range(spec, applied.tally)
+    changes = applied.good.frame
     outcome = write_history(
         ctx.spark,
         spec,
         per_change,
-        applied.good.frame,
+        changes,
+        versions=applied.versions,
         ingested_at=hour.ingested_at,
         run_metadata=applied.commit,
         key_range=bounds,
         defaults=applied.defaults,
         s3_client=lake.s3_client(),
     )
-    touched = applied.good.frame
+    touched = changes
     moved = MovedVersions(0, None, None)
     if outcome.moves:
-        moved = follow_moves(ctx.spark, spec, per_change, applied.good.frame, applied.commit)
+        moved = follow_moves(ctx.spark, spec, per_change, changes, applied.commit)
     if moved.versions is not None:  # moved keys may lie outside the hour's key range
         outcome = replace(outcome, filled_from_moves=moved.filled, version=moved.version)
         keys = [*spec.primary_key, SEQUENCE]
@@ -380,16 +384,7 @@ def keep_history(ctx: HourContext, hour: HourPlan, applied: Applied) -> HistoryR
             defaults=applied.defaults,
             s3_client=lake.s3_client(),
         )
-    audit = audit_history(
-        ctx.spark,
-        spec,
-        path,
-        ctx.path,
-        touched,
-        data_columns(spec, applied.good.frame),
-        bounds,
-    )
-    return HistoryRun(outcome, audit, folded)
+    return HistoryRun(outcome, folded)
 
 
 def validate(ctx: HourContext, applied: Applied) -> tuple[object, ...]:
@@ -616,6 +611,7 @@ class Applied:
     version: int | None
     latest: Latest
     good: Applicable
+    versions: int  # `history: true`: the history's versions among `good` (else 0)
     commit: dict
     tally: Tally
     defaults: dict[str, Any]

@@ -60,10 +60,11 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
         age = (result.finished_at - result.mirror_newest).total_seconds()
         metadata["freshness_seconds"] = dg.MetadataValue.float(round(age, 3))
     if result.history is not None:
-        # The history's versions this hour: new ones, and stored ones a newer version ended.
+        # The history's versions this hour: new ones, and stored ones rewritten (ended by a
+        # newer version, split by a late one, or refilled).
         outcome = result.history.outcome
         metadata["history_versions_opened"] = dg.MetadataValue.int(outcome.opened)
-        metadata["history_versions_closed"] = dg.MetadataValue.int(outcome.closed)
+        metadata["history_versions_rewritten"] = dg.MetadataValue.int(outcome.rewritten)
         versions = {"history_delta_version": outcome.version}
         folded = result.history.folded
         if folded is not None:  # tracked columns: the versions above are the changes' table's

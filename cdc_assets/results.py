@@ -16,7 +16,7 @@ from cdc_assets.decoding.shape import SourceShape
 if TYPE_CHECKING:
     from cdc_assets.checking import AuditVerdict
     from cdc_assets.decoding.tally import Tally
-    from cdc_assets.history import HistoryAudit, HistoryOutcome
+    from cdc_assets.history import HistoryOutcome
     from cdc_assets.history_tracking import FoldOutcome
     from cdc_assets.merge import MergeOutcome
     from cdc_assets.read import OffsetCensus
@@ -91,11 +91,9 @@ class HourCounts:
 @dataclass(frozen=True)
 class HistoryRun:
     """A table-hour's history stage: what it wrote (a version per change; with tracked columns
-    into `<table>__history_changes`, then `folded` into `<table>__history`) and what the
-    history readers query looks like."""
+    into `<table>__history_changes`, then `folded` into `<table>__history`)."""
 
     outcome: HistoryOutcome
-    audit: HistoryAudit
     folded: FoldOutcome | None = None
 
 

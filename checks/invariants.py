@@ -56,8 +56,9 @@ DESCRIPTIONS = {
     CHANGES_READABLE: "Not every change of the hour went to the error table (something applied).",
     TOASTED_VALUES: "Live rows hold known values of their unchanged TOASTed columns.",
     HISTORY: (
-        "The history of the hour's keys: every change a version, one current version per key, "
-        "each version ending where the next begins, current versions equal to the mirror's rows."
+        "The hour reached the history: its log holds the commit of this run (the mirror's "
+        "record), with no more new versions than the hour's changes. Every key's versions "
+        "against the mirror are judged by the daily history_table check."
     ),
 }
 # Checks computed inside the asset's run, from what the run saw.
@@ -415,41 +416,33 @@ def toasted_values_result(
 
 
 def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResult:
-    """The history stage's verdict (`cdc_assets.history`): the hour's versions accounted for
-    (each inserted by the MERGE, Delta's count, or stored already, counted on the batch), and
-    the stored versions of the hour's keys read back after the commit: one current version per
-    key, each version ending where the key's next one starts, the current live versions equal
-    to the mirror's live rows. With tracked columns the versions counted are the changes'
-    (`<table>__history_changes`) and the versions judged the folded ones readers query."""
+    """The history stage's verdict for the hour (`cdc_assets.history`), from the batch and
+    the tables' logs, no scan: the history's log holds a commit of this run's record (the one
+    the mirror's commit holds, so the two tables took the same slice and counts), and its MERGE
+    inserted no more versions than the hour has (counted on the batch). With tracked columns
+    the versions counted are the changes' (`<table>__history_changes`), and the folded
+    history's log must hold the run too. The versions against the mirror, whole, are judged
+    once a day (`checks.daily`)."""
     run = result.history
     if run is None:
         return _verdict(HISTORY, policy, [], {"versions": 0}, note="No change in this hour.")
-    outcome, audit = run.outcome, run.audit
-    problems = list(audit.problems)
-    if outcome.versions != outcome.opened + outcome.known:
-        problems.insert(
-            0,
-            f"the hour has {outcome.versions} versions, but the history's MERGE inserted "
-            f"{outcome.opened} and {outcome.known} were stored already",
+    outcome, folded = run.outcome, run.folded
+    problems = list(outcome.problems)
+    if folded is not None and folded.recorded_version is None:
+        problems.append(
+            "the folded history's log holds no commit of this run: its fold did not commit (run "
+            "the hour again: it folds the keys' changes again)"
         )
     metadata = {
         "versions": outcome.versions,
         "versions_opened": outcome.opened,
-        "versions_closed": outcome.closed,
-        "versions_stored_already": outcome.known,
         "versions_rewritten": outcome.rewritten,
         "versions_filled_from_moves": outcome.filled_from_moves,
-        "keys": audit.keys,
-        "keys_without_one_current_version": audit.current_not_one,
-        "broken_intervals": audit.broken_intervals,
-        "keys_differing_from_mirror": audit.mirror_mismatches,
-        "current_versions_with_unknown_toasted_values": audit.unknown,
-        "keys_revived_in_mirror_by_hard_delete_order": audit.revived_by_hard_delete_order,
+        "replayed": outcome.replayed,
     }
-    folded = run.folded
     if folded is None:
-        if outcome.version is not None:
-            metadata["history_version"] = outcome.version
+        if outcome.recorded_version is not None:
+            metadata["history_version"] = outcome.recorded_version
     else:  # tracked columns: the changes' table, then the versions folded from it
         metadata |= {
             "tracked_versions_of_keys": folded.versions,
@@ -457,10 +450,10 @@ def history_result(result: HourResult, policy: CheckPolicy) -> dg.AssetCheckResu
             "tracked_versions_updated": folded.updated,
             "tracked_versions_joined": folded.deleted,
         }
-        if outcome.version is not None:
-            metadata["history_changes_version"] = outcome.version
-        if folded.version is not None:
-            metadata["history_version"] = folded.version
+        if outcome.recorded_version is not None:
+            metadata["history_changes_version"] = outcome.recorded_version
+        if folded.recorded_version is not None:
+            metadata["history_version"] = folded.recorded_version
     return _verdict(HISTORY, policy, problems, metadata)
 
 

@@ -119,8 +119,10 @@ def _write(spark, spec, path, changes, run, toasted=False):
         spec,
         path,
         _frame(spark, changes, toasted),
+        versions=len({(c["id"], c[SEQUENCE]["source_lsn"]) for c in changes}),
         ingested_at=T0,
-        run_metadata={"hour": "2026-11-04-08:00", "run": run, "slice": {}},
+        # Each run its own slice: a run whose slice the history's log holds is a replay.
+        run_metadata={"hour": "2026-11-04-08:00", "slice": {"run": run}},
     )
 
 
@@ -142,12 +144,13 @@ def test_a_late_version_splits_its_interval_and_a_replay_adds_nothing(spark, tmp
     spec, path = _spec(), str(tmp_path / "accounts__history")
     later = [_change("u", 1, 30), _change("d", 1, 50), _change("c", 2, 40)]
     first = _write(spark, spec, path, later, run=1)
-    assert (first.versions, first.opened, first.known) == (3, 3, 0)
+    assert (first.versions, first.opened, first.rewritten) == (3, 3, 0)
 
     earlier = [_change("c", 1, 10), _change("u", 1, 40, offset=7), _change("u", 1, 40, offset=9)]
     second = _write(spark, spec, path, earlier, run=2)
-    # The u at 40 came twice (one version, the lower offset); it falls between 30 and 50.
-    assert (second.versions, second.opened, second.known, second.closed) == (2, 2, 0, 0)
+    # The u at 40 came twice (one version, the lower offset); it falls between 30 and 50, so
+    # the version at 30 now ends at 40.
+    assert (second.versions, second.opened, second.rewritten) == (2, 2, 1)
     assert _versions(spark, path) == [
         (1, 10, 30, "c", False),
         (1, 30, 40, "u", False),
@@ -161,11 +164,15 @@ def test_a_late_version_splits_its_interval_and_a_replay_adds_nothing(spark, tmp
     assert [r[VALID_TO] for r in window[:-1]] == [r[VALID_FROM] for r in window[1:]]
 
     again = _write(spark, spec, path, earlier + later, run=3)
-    assert (again.versions, again.opened, again.known, again.rewritten) == (5, 0, 5, 0)
+    assert (again.versions, again.opened, again.rewritten) == (5, 0, 0)
     assert again.version is None  # nothing changed: a metadata-only commit records the run
+    assert again.recorded_version is not None and again.problems == []
+    # The same slice again, as the history's log records it: a replay, nothing derived.
+    replay = _write(spark, spec, path, earlier + later, run=3)
+    assert replay.replayed and replay.version is None and replay.recorded_version is not None
 
     newer = _write(spark, spec, path, [_change("c", 2, 60)], run=4)
-    assert (newer.opened, newer.closed) == (1, 1)
+    assert (newer.opened, newer.rewritten) == (1, 1)  # the version at 40 ends at 60
     moment = F.lit((T0 + timedelta(seconds=45)).replace(tzinfo=None)).cast("timestamp")
     then = as_of(spark.read.format("delta").load(path), moment).collect()
     assert sorted((r["id"], r["balance"]) for r in then) == [(1, 40), (2, 40)]
@@ -263,7 +270,7 @@ def test_tracked_columns_fold_changes_and_late_ones_split_or_join_versions(spark
             path,
             changes_path,
             _frame(spark, changes),
-            run_metadata={"hour": "2026-11-04-08:00", "run": n, "slice": {}},
+            run_metadata={"hour": "2026-11-04-08:00", "slice": {"run": n}},
         )
 
     def versions():
@@ -354,8 +361,9 @@ def test_refold_folds_the_history_again_under_a_new_setting(spark, tmp_path):
         _spec(),
         path,
         _frame(spark, changes).withColumn("name", marked),
+        versions=len(changes),
         ingested_at=T0,
-        run_metadata={"hour": "2026-11-04-08:00", "run": 1, "slice": {}},
+        run_metadata={"hour": "2026-11-04-08:00", "slice": {"run": 1}},
     )
 
     def versions():
@@ -406,7 +414,7 @@ def test_refold_folds_the_history_again_under_a_new_setting(spark, tmp_path):
         path,
         changes_path,
         _frame(spark, later),
-        run_metadata={"hour": "2026-11-04-08:00", "run": 2, "slice": {}},
+        run_metadata={"hour": "2026-11-04-08:00", "slice": {"run": 2}},
     )
     assert versions()[1] == (1, 30, None, "u", "b", 3)
 

@@ -276,6 +276,17 @@ def history_differences(
     return problems
 
 
+def history_audit(spark, spec_: TableSpec, path: str, lake):
+    """The history at `path` judged whole against the mirror, as the daily check judges it
+    (`cdc_assets.history.audit_history` over every key's versions)."""
+    from cdc_assets.history import audit_history, data_columns  # tests: imported where used
+
+    versions = spark.read.format("delta").load(path)
+    keys = versions.select(*spec_.primary_key, "_cdc_sequence")
+    mirror = lake.table_path(spec_.name)
+    return audit_history(spark, spec_, path, mirror, keys, data_columns(spec_, versions))
+
+
 def _utc(moment: datetime | None) -> datetime | None:
     """A timestamp Spark returned (naive, in the session's zone: UTC in the tests) as UTC."""
     if moment is None or moment.tzinfo is not None:
