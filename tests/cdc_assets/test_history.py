@@ -119,7 +119,7 @@ def _write(spark, spec, path, changes, run, toasted=False):
         spec,
         path,
         _frame(spark, changes, toasted),
-        versions=len({(c["id"], c[SEQUENCE]["source_lsn"]) for c in changes}),
+        versions=len({(c["id"], c[SEQUENCE][0]) for c in changes}),
         ingested_at=T0,
         # Each run its own slice: a run whose slice the history's log holds is a replay.
         run_metadata={"hour": "2026-11-04-08:00", "slice": {"run": run}},
