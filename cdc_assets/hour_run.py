@@ -852,10 +852,14 @@ def _hold_back(
     audit = checks.audit(spark, spec, decoded.where(applicable()))
     newest_ms = None if tally.newest_source_us is None else tally.newest_source_us // 1000
     errors, reasons = tally.errors, dict(tally.reasons)
-    if audit is None or audit.failed is None:
+    if audit is None or not audit.failed:
         return HeldBack(decoded, audit, errors, reasons, newest_ms)
+    failed = spark.createDataFrame(
+        [(p, o, reason) for (p, o), reason in audit.failed.items()],
+        f"{KAFKA_PARTITION} int, {KAFKA_OFFSET} bigint, _cdc_expectation string",
+    )
     decoded = keep(
-        decoded.join(F.broadcast(audit.failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
+        decoded.join(F.broadcast(failed), [KAFKA_PARTITION, KAFKA_OFFSET], "left")
         .withColumn(ERROR, F.coalesce(F.col(ERROR), F.col("_cdc_expectation")))
         .drop("_cdc_expectation")
     )
