@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import dagster as dg
+    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
     from cdc_assets.config import TableSpec
@@ -27,9 +28,9 @@ if TYPE_CHECKING:
 class AuditVerdict(Protocol):
     """What the run takes from the audit of an hour's changes."""
 
-    # (_cdc_kafka_partition, _cdc_kafka_offset, _cdc_expectation): the changes to hold back.
+    # (kafka partition, kafka offset) -> error-table reason: the changes to hold back.
     @property
-    def failed(self) -> DataFrame | None: ...
+    def failed(self) -> Mapping[tuple[int, int], str]: ...
 
     # The changes held back, per error-table reason.
     @property
@@ -43,9 +44,10 @@ class MirrorChecks(Protocol):
         """Imports what evaluating the checks needs (called while the Spark session starts)."""
 
     def audit(
-        self, spark: SparkSession, spec: TableSpec, changes: DataFrame
+        self, spark: SparkSession, spec: TableSpec, changes: pa.Table | DataFrame
     ) -> AuditVerdict | None:
-        """The hard expectations on the hour's decoded, applicable changes; None: none declared."""
+        """The hard expectations on the hour's decoded, applicable changes; None: none declared.
+        Changes in memory (a pyarrow Table) are judged without a Spark query."""
 
     def audit_nothing(self, spec: TableSpec) -> AuditVerdict | None:
         """The hard expectations' verdict on an hour without changes."""
@@ -56,11 +58,14 @@ class MirrorChecks(Protocol):
         spec: TableSpec,
         path: str,
         version: int | None,
-        rows: DataFrame,
+        rows: pa.Table | DataFrame,
         keys: KeyCounts,
+        frame: DataFrame | None = None,
     ) -> Sequence[object]:
         """The other expectations, on `rows` (the hour's newest live change per key) and the
-        mirror at `version`; kept in `HourResult.expectations` for `evaluate`."""
+        mirror at `version`; kept in `HourResult.expectations` for `evaluate`. Rows in memory
+        (a pyarrow Table) are judged without a Spark query, but a declared `unique` (one query
+        of the mirror) takes the hour's values from `frame`, a DataFrame of the same rows."""
 
     def validate_nothing(self, spec: TableSpec) -> Sequence[object]:
         """The other expectations' verdicts on an hour without changes."""

@@ -9,6 +9,7 @@ other setting, `shop_analytics`, switches the demo shop's analytics on (`TablesF
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ from pydantic import (
 from cdc_assets.decoding import types
 from cdc_assets.decoding.values import configurable_encodings
 from cdc_assets.hours import HOUR_KEY_FORMAT, hour_start
+from cdc_assets.java_regex import INVALID_JAVA, UntranslatableRegex, python_regex
 
 DEFAULT_TABLES_FILE = Path(__file__).with_name("tables.yaml")
 # The environment variable naming the tables file a deployment loads instead.
@@ -195,6 +197,55 @@ _HARD_KINDS = ("not_null", "in_set", "between", "regex")
 _HASH_SAFE_KINDS = ("not_null", "unique")
 
 
+# What each kind judges alike on Spark's and great-expectations' pandas engine, by column type
+# (checks/expectations.py): a regex judges text, between numbers, in_set values of the column's
+# own type, which the tables file can spell (no dates, timestamps, binaries or arrays).
+_TEXT_TYPES = ("string", "time")
+_NUMBER_TYPES = ("int", "bigint", "double", "float")
+_INTEGER_RANGES = {"int": 2**31, "bigint": 2**63}
+# A between bound's magnitude stays below it: every integer up to it is its own double.
+_EXACT_BOUND = 2**53
+
+
+def _misfit(expectation: ExpectationSpec, declared: str) -> str | None:
+    """Why `expectation` can't judge a column declared `declared`, or None if it can."""
+    named = (
+        f"expectation '{expectation.check_name}' on the {declared} column '{expectation.column}'"
+    )
+    number = declared in _NUMBER_TYPES or types.decimal_shape(declared) is not None
+    if expectation.expect == "regex" and declared not in _TEXT_TYPES:
+        return (
+            f"{named} matches a regex, which judges text, and Java and Python write a "
+            f"{declared} as different text; use between or in_set, or a string column"
+        )
+    if expectation.expect == "between" and not number:
+        return f"{named} compares it with numbers; between takes number and decimal columns"
+    if expectation.expect != "in_set":
+        return None
+    if not (number or declared in _TEXT_TYPES or declared == "boolean"):
+        return (
+            f"{named} lists values, which the tables file can only give as text, numbers and "
+            "booleans; in_set takes string, boolean, number and decimal columns"
+        )
+    for value in expectation.values or ():
+        if declared in _TEXT_TYPES:
+            fits = isinstance(value, str)
+        elif declared == "boolean":
+            fits = isinstance(value, bool)
+        elif declared in _INTEGER_RANGES:
+            limit = _INTEGER_RANGES[declared]
+            fits = (
+                isinstance(value, int) and not isinstance(value, bool) and -limit <= value < limit
+            )
+        else:
+            fits = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not fits:
+            return f"{named} lists {value!r}, which a {declared} column can't hold" + (
+                " (quote it to make it text)" if declared in _TEXT_TYPES else ""
+            )
+    return None
+
+
 class ExpectationSpec(BaseModel):
     """One great-expectations expectation on a source column, declared in the tables file.
 
@@ -213,7 +264,11 @@ class ExpectationSpec(BaseModel):
     )
     min: float | int | None = Field(default=None, description="between: inclusive lower bound.")
     max: float | int | None = Field(default=None, description="between: inclusive upper bound.")
-    regex: str | None = Field(default=None, description="regex: Java regex the value must match.")
+    regex: str | None = Field(
+        default=None,
+        description="regex: Java regex found in the value (on a string column); one with no "
+        "Python equivalent (\\b, \\p{L}, ...) is refused, naming what to write instead.",
+    )
     type: str | None = Field(default=None, description="type: the column's declared type.")
     hard: bool = False
     severity: Severity = "ERROR"
@@ -240,11 +295,31 @@ class ExpectationSpec(BaseModel):
             raise ValueError(f"'{self.expect}' takes no {', '.join(sorted(given - wanted))}")
         if self.expect == "in_set" and not self.values:
             raise ValueError("'in_set' needs at least one value")
+        for bound in (self.min, self.max):
+            if isinstance(bound, float) and not math.isfinite(bound):
+                raise ValueError(f"'between' takes finite bounds, not {bound}; leave it out")
+            if bound is not None and abs(bound) >= _EXACT_BOUND:
+                raise ValueError(
+                    f"'between' bound {bound} is not within ±(2**53 - 1): great-expectations "
+                    "takes bounds as doubles, and Spark compares a bigint with one as a double, "
+                    "so values around it could be judged wrongly"
+                )
+        if any(isinstance(v, float) and math.isnan(v) for v in self.values or ()):
+            # Spark finds NaN equal to NaN, so it would be in the set on one engine only.
+            raise ValueError("'in_set' takes no NaN: it is no value a set can hold")
         if self.regex is not None:
             try:
-                re.compile(self.regex)
-            except re.error as exc:
-                raise ValueError(f"regex '{self.regex}' does not compile: {exc}") from None
+                python_regex(self.regex)
+            except UntranslatableRegex as exc:
+                # Rows read in the driver are judged by Python's re, Spark's by Java's regex.
+                judged = (
+                    "does not compile"
+                    if exc.why == INVALID_JAVA
+                    else "can't be judged alike by Java (Spark) and Python (rows in memory)"
+                )
+                raise ValueError(
+                    f"expectation '{self.check_name}': regex '{self.regex}' {judged}: {exc}"
+                ) from None
         if self.type is not None and not types.is_valid_type(self.type):
             raise ValueError(f"type '{self.type}' is not a column type")
         if self.hard and self.expect not in _HARD_KINDS:
@@ -737,6 +812,10 @@ class TableSpec(BaseModel):
                     f"expectation '{expectation.check_name}' names column "
                     f"'{expectation.column}', which is not listed under columns"
                 )
+            else:
+                misfit = _misfit(expectation, self.columns[expectation.column])
+                if misfit:
+                    problems.append(misfit)
             if expectation.check_name in names:
                 problems.append(
                     f"expectation '{expectation.check_name}' is declared twice (or clashes "

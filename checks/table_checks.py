@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import dagster as dg
+import pyarrow as pa
 from kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
@@ -205,13 +206,15 @@ def _retention_check(spec: TableSpec, partitions_def, policy) -> dg.AssetChecksD
 
 class TableChecks:
     """A mirror's checks as its run and its asset call them (`cdc_assets.checking.MirrorChecks`):
-    great-expectations for the audit and the validation, then the invariants and the
-    expectations' results for each hour."""
+    great-expectations for the audit and the validation (pandas on rows in memory, Spark on a
+    DataFrame), then the invariants and the expectations' results for each hour."""
 
     def preload(self) -> None:
         preload()
 
-    def audit(self, spark: SparkSession, spec: TableSpec, changes: DataFrame) -> Audit | None:
+    def audit(
+        self, spark: SparkSession, spec: TableSpec, changes: pa.Table | DataFrame
+    ) -> Audit | None:
         return audit_changes(spark, spec, changes)
 
     def audit_nothing(self, spec: TableSpec) -> Audit | None:
@@ -223,7 +226,7 @@ class TableChecks:
         spec: TableSpec,
         path: str,
         version: int | None,
-        rows: DataFrame,
+        rows: pa.Table | DataFrame,
         keys: KeyCounts,
         frame: DataFrame | None = None,
     ) -> list[Outcome]:

@@ -63,6 +63,46 @@ def test_shipped_tables_file_loads():
             "regex '(' does not compile",
         ),
         (
+            {"expectations": [{"column": "email", "expect": "regex", "regex": r"\bx"}]},
+            "expectation 'email_regex': regex '\\bx' can't be judged alike by Java (Spark) and "
+            "Python (rows in memory): it uses the word boundary \\b",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "regex", "regex": "^1"}]},
+            "expectation 'id_regex' on the bigint column 'id' matches a regex, which judges text",
+        ),
+        (
+            {"expectations": [{"column": "email", "expect": "between", "min": 0}]},
+            "between takes number and decimal columns",
+        ),
+        (
+            {"expectations": [{"column": "email", "expect": "in_set", "values": ["a", 1]}]},
+            "lists 1, which a string column can't hold (quote it to make it text)",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "in_set", "values": [1, True]}]},
+            "lists True, which a bigint column can't hold",
+        ),
+        (
+            {
+                "columns": {"id": "bigint", "day": "date"},
+                "expectations": [{"column": "day", "expect": "in_set", "values": ["2026-01-01"]}],
+            },
+            "in_set takes string, boolean, number and decimal columns",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "between", "max": 2**53}]},
+            "'between' bound 9007199254740992 is not within ±(2**53 - 1)",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "between", "min": float("inf")}]},
+            "'between' takes finite bounds, not inf",
+        ),
+        (
+            {"expectations": [{"column": "id", "expect": "in_set", "values": [float("nan")]}]},
+            "'in_set' takes no NaN",
+        ),
+        (
             {"expectations": [{"column": "email", "expect": "unique", "hard": True}]},
             "'unique' can't be hard",
         ),
