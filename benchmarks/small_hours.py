@@ -7,7 +7,6 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history  # with `history: true`
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --stages --hot-keys 5
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --history --tracked --stages
-    PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --stages --without-prior-rows
     PYTHONPATH=. .venv/bin/python -m benchmarks.small_hours --interpreted-max-bytes 0
 
 Starts its own Kafka broker (`.local/bench/small-hours`), sends HOURS hours of CHANGES creates
@@ -41,9 +40,13 @@ mirror's and the history's TOASTed-value work runs, the history's look for prima
 `--interpreted-max-bytes 0` has every hour generate code for its expressions (`run_hour`'s
 setting; by default hours into a mirror under 1 MiB run interpreted), to compare the two.
 
-`--without-prior-rows` replaces the prior-rows query (`cdc_assets.merge.prior_rows`) with zero
-counts, to measure what it costs: timing only, `primary_key_unique` then fails on every hour
-(the MERGE seems to insert rows for keys that had one), the mirror still equals the replay.
+The floor: after each hour, the same session runs a bare guarded MERGE of that hour's newest
+changes (the run's own MERGE source, captured) into a second table that takes every hour's
+MERGE the same way (`<work>/lake/floor`, created with the mirror's properties):
+`whenMatchedUpdateAll(condition="s._cdc_sequence > t._cdc_sequence").whenNotMatchedInsertAll()`,
+nothing else, under the hour's own session settings (`hour_run.sized_shuffles`). Each hour's
+line prints it and ours/floor; the summary gives the warm hours' mean ratio: the figure the
+hour's Spark budget is judged by (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import psutil
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
+from cdc_assets.commits import stored_table
 from cdc_assets.config import TableSpec
 from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
@@ -75,6 +79,8 @@ from resources.lake import LakeResource
 from resources.spark import INTERPRETED_MAX_BYTES, SparkResource, compiled_classes
 
 REPO = Path(__file__).resolve().parents[1]
+# The mirror's properties the floor table is created with (what changes a MERGE's work).
+FLOOR_PROPERTIES = ("delta.enableDeletionVectors", "delta.enableChangeDataFeed")
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
 HOUR_FORMAT = "%Y-%m-%d-%H:%M"
 PARTITIONS = 3
@@ -146,23 +152,22 @@ HISTORY_STAGE = "keep history (history: true)"
 STAGES = [
     ("cdc_assets.hour_run", "HourContext.start", "start (the mirror's log, read without Spark)"),
     ("cdc_assets.hour_run", "plan", "plan (Kafka offsets, the slice)"),
-    ("cdc_assets.hour_run", "stored_mirror", "stored mirror (its schema)"),
+    ("cdc_assets.hour_run", "stored_mirror", "stored mirror (its schema, from its log)"),
     ("cdc_assets.hour_run", "read", "read"),
     ("cdc_assets.hour_run", "decode_hour", "decode"),
     ("cdc_assets.hour_run", "audit", "audit (hard expectations)"),
     ("cdc_assets.hour_run", "apply", "apply"),
     ("cdc_assets.hour_run", "_run_record", "  the run's record"),
+    ("cdc_assets.hour_batch", "DriverBatch.applicable", "  the changes it takes, counted"),
+    ("cdc_assets.hour_batch", "DriverBatch.latest", "  newest change per key (in memory)"),
     ("cdc_assets.merge", "ensure_mirror_table", "  create or check the mirror"),
-    ("cdc_assets.merge", "prior_rows", "  prior rows (the mirror under the hour's keys)"),
     ("delta.tables", "DeltaMergeBuilder.execute", "  MERGE"),
-    ("pyspark.sql.classic.dataframe", "DataFrame.count", "  counts (DataFrame.count anywhere)"),
-    ("cdc_assets.hour_run", "current_version", "  current version"),
+    ("cdc_assets.merge", "_outcome", "  its figures, from its commit"),
     ("cdc_assets.toast", "resolve_moves", "  moved rows' TOASTed values"),
     ("cdc_assets.hour_run", "keep_history", HISTORY_STAGE),
     ("cdc_assets.hour_run", "write_history", "  its MERGE (the keys' versions re-derived)"),
     ("cdc_assets.hour_run", "follow_moves", "  its moves' TOASTed values (--toasted)"),
     ("cdc_assets.hour_run", "fold_history", "  its fold (--tracked)"),
-    ("cdc_assets.hour_run", "audit_history", "  its audit (read back, beside the mirror)"),
     ("cdc_assets.hour_run", "validate", "validate (expectations)"),
     ("checks.expectations", "_validate", "  great-expectations"),
     ("cdc_assets.hour_run", "account", "account"),
@@ -218,16 +223,58 @@ def _nothing() -> Iterator[None]:
 
 
 @contextmanager
-def _without_prior_rows() -> Iterator[None]:
-    """`merge.prior_rows` answering zero counts (and a write to make), without a Spark query."""
-    from cdc_assets import merge
+def _captured_sources(sources: list) -> Iterator[None]:
+    """Keeps each mirror MERGE's source (`merge_changes`' `latest`) the run makes, for the
+    floor to MERGE the same rows."""
+    from cdc_assets import hour_run
 
-    original = merge.prior_rows
-    merge.prior_rows = lambda *args, **kwargs: merge.PriorRows(0, 0, 0, 0, 0, 0, 0, writes=1)
+    original = hour_run.merge_changes
+
+    def capturing(spark, spec, path, latest, **kwargs):
+        sources.append(latest)
+        return original(spark, spec, path, latest, **kwargs)
+
+    hour_run.merge_changes = capturing
     try:
         yield
     finally:
-        merge.prior_rows = original
+        hour_run.merge_changes = original
+
+
+def _floor(
+    spark, spec: TableSpec, path: str, latest, properties: dict[str, str], interpreted: bool
+) -> float:
+    """Seconds of a bare guarded MERGE of `latest` into the floor table at `path` (created
+    with `properties` by the first call), under a small hour's session settings (`interpreted`
+    as the run's: its mirror stays under `--interpreted-max-bytes`)."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    from cdc_assets.columns import INGESTED_AT
+    from cdc_assets.hour_run import merge_source, sized_shuffles
+    from cdc_assets.rule import mirror_columns
+
+    source = latest.withColumn(INGESTED_AT, F.current_timestamp()).select(*mirror_columns(spec))
+    if not DeltaTable.isDeltaTable(spark, path):
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(source.schema)
+        for name, value in properties.items():
+            builder = builder.property(name, value)
+        builder.execute()
+    table = DeltaTable.forPath(spark, path)
+    on = " AND ".join(f"t.`{k}` = s.`{k}`" for k in spec.primary_key)
+    with (
+        sized_shuffles(spark, 1, adaptive=False, interpreted=interpreted),
+        merge_source(spark, materialized=False),
+    ):
+        began = time.monotonic()
+        (
+            table.alias("t")
+            .merge(source.alias("s"), on)
+            .whenMatchedUpdateAll(condition="s._cdc_sequence > t._cdc_sequence")
+            .whenNotMatchedInsertAll()
+            .execute()
+        )
+        return time.monotonic() - began
 
 
 def _jobs(spark) -> list:
@@ -265,11 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--hot-keys", type=int, default=0, help="a tenth of the changes go to this many keys"
-    )
-    parser.add_argument(
-        "--without-prior-rows",
-        action="store_true",
-        help="zero counts for the prior-rows query, timing only (primary_key_unique fails)",
     )
     parser.add_argument(
         "--interpreted-max-bytes",
@@ -314,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                 else None
             )
             before = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
+            sources: list = []
             with (
                 _timed_stages(stages[-1]) if args.stages else _nothing(),
-                _without_prior_rows() if args.without_prior_rows else _nothing(),
+                _captured_sources(sources),
             ):
                 result = run_hour(
                     spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key,
@@ -325,13 +368,24 @@ def main(argv: list[str] | None = None) -> int:
             after = (time.monotonic(), _cpu(jvm), _cpu(me), compiled_classes(spark))
             wall, jvm_s, python_s, compiles = (a - b for a, b in zip(after, before, strict=True))
             failed = [c.expectation.name for c in result.expectations if not c.success]
-            rows.append((wall, jvm_s, python_s, compiles))
+            stored = stored_table(spark, lake.table_path(spec.name))
+            properties = {k: v for k, v in stored.properties.items() if k in FLOOR_PROPERTIES}
+            floor = _floor(
+                spark,
+                spec,
+                str(work / "lake" / "floor"),
+                sources[0],
+                properties,
+                interpreted=args.interpreted_max_bytes > 0,
+            )
+            rows.append((wall, jvm_s, python_s, compiles, floor, wall / floor))
             if jobs_before is not None:
                 last_jobs = ([j for j in _jobs(spark) if j.jobId() > jobs_before], wall)
             print(
                 f"hour {hour}: {wall:5.2f} s wall, JVM {jvm_s:5.2f} s CPU, Python "
                 f"{python_s:4.2f} s CPU, {compiles:3d} classes compiled, "
-                f"{result.counts.applied} changes applied"
+                f"{result.counts.applied} changes applied, floor {floor:.2f} s, "
+                f"ours/floor {wall / floor:.2f}"
                 + (f", history {stages[-1][HISTORY_STAGE]:.2f} s" if timed_history else "")
                 + (f", FAILED {failed}" if failed else ""),
                 flush=True,
@@ -341,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"hours {WARM_FROM}-{args.hours - 1}, mean: {means[0]:.2f} s wall, "
             f"JVM {means[1]:.2f} s CPU, Python {means[2]:.2f} s CPU, "
-            f"{means[3]:.0f} classes compiled" + (f" (settings: {extra})" if extra else "")
+            f"{means[3]:.0f} classes compiled, floor {means[4]:.2f} s, ours/floor "
+            f"{means[5]:.2f}" + (f" (settings: {extra})" if extra else "")
         )
         if args.jobs:
             print(f"hour {args.hours - 1}'s Spark jobs:")

@@ -371,9 +371,16 @@ def execute_recorded(
             return dict(commit["operationMetrics"]), version, version
         return {}, None, record_once(spark, path, run_metadata, ledger)
     mine = ledger.run_commit(run_metadata, "MERGE")
-    if mine is not None and (before is None or mine.version > before):
-        return mine.metrics, mine.version, mine.version
-    return {}, None, record_once(spark, path, run_metadata, ledger)
+    if mine is None or (before is not None and mine.version <= before):
+        return {}, None, record_once(spark, path, run_metadata, ledger)
+    # Delta may commit a MERGE that changed no row: it records the run all the same.
+    return mine.metrics, mine.version if changed_rows(mine.metrics) else None, mine.version
+
+
+def changed_rows(metrics: Mapping[str, str]) -> int:
+    """The rows a MERGE inserted, updated or deleted, by its commit's operation metrics."""
+    names = ("numTargetRowsInserted", "numTargetRowsUpdated", "numTargetRowsDeleted")
+    return sum(int(metrics.get(name) or 0) for name in names)
 
 
 def record_once(spark: SparkSession, path: str, run_metadata: dict, ledger) -> int | None:

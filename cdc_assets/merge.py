@@ -531,9 +531,10 @@ def _outcome(
         "numTargetRowsNotMatchedBySourceDeleted"
     )
     inserted = metric("numTargetRowsInserted")
+    changed = inserted + metric("numTargetRowsUpdated") + metric("numTargetRowsDeleted")
     split = None
     feed = properties.get(CHANGE_DATA_FEED) == "true"
-    if ledger is not None and feed:
+    if ledger is not None and feed and changed:
         split = live_split(spec, ledger, version)
     if split is None:
         split = (
@@ -543,7 +544,9 @@ def _outcome(
             SPLIT_BY_METRICS,
         )
     return MergeOutcome(
-        version=version,
+        # Delta may commit a MERGE that changed no row (every change stale): it records the
+        # run, but wrote nothing.
+        version=version if changed else None,
         merged_keys=metric("numSourceRows"),
         # Changes newer than their rows (or filling a TOASTed value), inserts of new keys.
         applied=inserted
