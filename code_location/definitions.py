@@ -1,6 +1,7 @@
 """The code location: the one Definitions object, a mirror and a maintenance asset per
-configured table with its checks, the schedule of the maintenance, the offset sensor, the demo
-shop's analytics (shop_analytics/) when the tables file switches them on, and the resources.
+configured table with its checks (each hour's, and the daily ones that judge the table whole),
+the schedules of the maintenance and of the daily checks, the offset sensor, the demo shop's
+analytics (shop_analytics/) when the tables file switches them on, and the resources.
 
 The only module that puts every package together: the mirror (cdc_assets) receives its checks
 (checks) here, so no package below imports one above it (tests/test_layers.py)."""
@@ -15,6 +16,7 @@ import dagster as dg
 from cdc_assets.config import DEFAULT_TABLES_FILE, TABLES_FILE_ENV, TableSpec, load_tables_file
 from cdc_assets.factory import build_mirror_assets
 from cdc_assets.maintenance import build_maintenance_asset, build_maintenance_schedule
+from checks.daily import build_daily_checks, build_daily_checks_schedule
 from checks.table_checks import MIRROR_CHECKS, build_retention_check_for
 from resources.environment import resources_from_env
 from sensors.offset_progress import build_offset_sensor
@@ -81,9 +83,11 @@ def build_definitions(
     downstream = build_downstream_assets(specs) if shop_analytics else []
     # OPTIMIZE and VACUUM per table, daily once its schedule is turned on.
     maintenance = [build_maintenance_asset(spec) for spec in specs]
+    # The scans no hour pays for: each mirror (and history) judged whole, daily, on by default.
+    daily = [check for spec in specs for check in build_daily_checks(spec)]
     return dg.Definitions(
         assets=[*build_mirror_assets(specs, checks=MIRROR_CHECKS), *downstream, *maintenance],
-        asset_checks=[build_retention_check_for(spec=spec) for spec in specs],
+        asset_checks=[*(build_retention_check_for(spec=spec) for spec in specs), *daily],
         sensors=[
             # One sensor for every table: one Kafka read per tick, one run per closed hour.
             *(
@@ -107,7 +111,11 @@ def build_definitions(
                 else []
             ),
         ],
-        schedules=[build_maintenance_schedule(maintenance)] if maintenance else [],
+        schedules=(
+            [build_maintenance_schedule(maintenance), build_daily_checks_schedule(daily)]
+            if specs
+            else []
+        ),
         # One process and one Spark session for all the assets of a run (the maintenance run
         # does every table in one session, table after table).
         executor=dg.in_process_executor,

@@ -1,4 +1,5 @@
-"""Helpers shared by the integration tests: demo topics, Kafka read-back, mirror rows."""
+"""Helpers shared by the integration tests: demo topics, Kafka read-back, mirror rows, the
+daily checks' job run in process."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import socket
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
+import dagster as dg
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.commits import live_rows
 from cdc_assets.config import TableSpec, load_tables, spark_type
+from cdc_assets.factory import build_mirror_assets
+from checks.daily import DAILY_CHECKS_JOB, build_daily_checks, build_daily_checks_schedule
+from checks.table_checks import MIRROR_CHECKS
 from demo.produce import ProducedRecord, produce
 from demo.source import DemoSource, as_generated
 
@@ -27,6 +32,26 @@ def demo_specs(prefix: str) -> list[TableSpec]:
         spec.model_copy(update={"topic": f"{prefix}.{spec.topic}"})
         for spec in as_generated(load_tables())
     ]
+
+
+def run_daily_checks(
+    specs: Sequence[TableSpec], resources: dict[str, object]
+) -> dict[tuple[str, str], dg.AssetCheckEvaluation]:
+    """The `cdc_daily_checks` job of `specs`' mirrors, run in process as its schedule launches
+    it (nothing materialized): each check's evaluation by table and check name."""
+    checks = [check for spec in specs for check in build_daily_checks(spec)]
+    job = dg.Definitions(
+        assets=build_mirror_assets(list(specs), checks=MIRROR_CHECKS),
+        asset_checks=checks,
+        schedules=[build_daily_checks_schedule(checks)],
+        resources=resources,
+    ).resolve_job_def(DAILY_CHECKS_JOB)
+    result = job.execute_in_process()
+    assert result.get_asset_materialization_events() == []
+    return {
+        (e.asset_key.to_user_string(), e.check_name): e
+        for e in result.get_asset_check_evaluations()
+    }
 
 
 def hour_keys(first: datetime, count: int) -> list[str]:

@@ -11,6 +11,7 @@ import dagster as dg
 import pytest
 
 from cdc_assets.maintenance import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE
+from checks.daily import DAILY_CHECKS_JOB, DAILY_CHECKS_SCHEDULE
 from code_location.definitions import (
     SENSOR_INTERVAL_ENV,
     TABLES_PER_RUN_ENV,
@@ -112,7 +113,49 @@ def test_each_table_has_a_maintenance_asset_in_its_pool_on_a_daily_schedule_that
     assert schedule.job_name == MAINTENANCE_JOB
     assert (schedule.cron_schedule, schedule.execution_timezone) == ("0 3 * * *", "UTC")
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
-    assert [s.name for s in definitions.schedules] == [MAINTENANCE_SCHEDULE]
+    assert [s.name for s in definitions.schedules] == [MAINTENANCE_SCHEDULE, DAILY_CHECKS_SCHEDULE]
+
+
+def test_each_table_is_judged_whole_by_daily_checks_on_a_schedule_that_is_on():
+    """The checks that scan a whole table (checks/daily.py) are not partitioned and never block;
+    their job materializes nothing; its schedule runs after maintenance's, on by default. A
+    history table's check holds the table's pool (it reads the mirror and the history)."""
+    from cdc_assets.config import TableSpec
+    from code_location.definitions import build_definitions
+
+    definitions = defs() if callable(defs) else defs
+    graph = definitions.resolve_asset_graph()
+    for table in ("customers", "orders", "order_items"):
+        key = dg.AssetCheckKey(dg.AssetKey(table), "primary_key_unique_table")
+        spec = graph.get_check_spec(key)
+        assert spec.partitions_def is None and not spec.blocking
+    job = definitions.resolve_job_def(DAILY_CHECKS_JOB)
+    assert job.partitions_def is None and job.executor_def is dg.in_process_executor
+    assert {node.name for node in job.nodes_in_topological_order} == {
+        "customers_primary_key_unique_table",
+        "orders_primary_key_unique_table",
+        "order_items_primary_key_unique_table",
+    }
+    schedule = definitions.resolve_schedule_def(DAILY_CHECKS_SCHEDULE)
+    assert schedule.job_name == DAILY_CHECKS_JOB
+    assert (schedule.cron_schedule, schedule.execution_timezone) == ("0 4 * * *", "UTC")
+    assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+
+    tier0 = TableSpec(
+        name="plans",
+        topic="shop.public.plans",
+        primary_key=("id",),
+        columns={"id": "bigint"},
+        start_hour="2026-11-01-00:00",
+        history=True,
+        refresh_minutes=15,
+    )
+    job = build_definitions([tier0]).resolve_job_def(DAILY_CHECKS_JOB)
+    pools = {node.name: node.definition.pool for node in job.nodes_in_topological_order}
+    assert pools == {
+        "plans_primary_key_unique_table": None,
+        "plans_history_table": "cdc_mirrors_tier0",
+    }
 
 
 def test_the_sensors_are_on_by_default(monkeypatch):

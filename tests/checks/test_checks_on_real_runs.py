@@ -18,7 +18,7 @@ from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS, build_retention_check_for, evaluate_run_checks
 from demo.reference import replay
 from tests.faults.figures import compare, record
-from tests.support import diff_rows, mirror_rows, read_topic
+from tests.support import diff_rows, mirror_rows, read_topic, run_daily_checks
 
 pytestmark = pytest.mark.integration
 
@@ -386,12 +386,14 @@ def test_a_failed_blocking_check_stops_downstream_in_a_real_run(
         assert rechecked.get_asset_materialization_events() == []
 
 
-def test_primary_key_unique_fails_on_a_duplicated_key_in_the_hours_key_range(
-    hour, create_topic, send, spark, lake
+def test_a_duplicated_key_passes_the_hours_and_fails_the_daily_whole_table_check(
+    hour, create_topic, send, kafka, spark_resource, spark, lake
 ):
-    """A mirror row written twice (what a lost race with a second writer would leave) fails
-    `primary_key_unique` in the next hour that touches it; the check judges the hour's own keys
-    (read from the mirror's files in the hour's key range), so hours with other keys pass."""
+    """A mirror row written twice (what a lost race with a second writer would leave): the
+    hours after it pass `primary_key_unique`, which guards what each hour wrote, and the daily
+    `primary_key_unique_table`, which judges the whole mirror, fails naming how many keys and
+    rows; it passed on the same mirror before the duplicate. A duplicate made outside the
+    pipeline is thus found within a day, not in the next hour that touches its key."""
     topic = create_topic("pk-unique", partitions=1)
     spec = _spec(topic)
     t0, t1, t2 = (_ms(HOUR + timedelta(hours=n)) for n in range(3))
@@ -401,23 +403,32 @@ def test_primary_key_unique_fails_on_a_duplicated_key_in_the_hours_key_range(
     send(topic, _key(100), _change("c", 100, 30), t2)
     send(topic, _key(101), _change("c", 101, 31), t2 + 1)
     send(topic, _key(9), _change("c", 9, 40), t2 + 3_600_000)  # closes hour 2
+    resources = {"kafka": kafka, "spark": spark_resource, "lake": lake}
+    daily = (spec.name, "primary_key_unique_table")
 
     first = hour(spec, KEYS[0])[1]["primary_key_unique"]
     assert first.passed and first.metadata["element_count"].value == 3
+    unique = run_daily_checks([spec], resources)[daily]
+    assert unique.passed and unique.metadata["keys"].value == 3
+    assert unique.metadata["duplicated_keys"].value == 0
     path = lake.table_path(spec.name)
     mirror = spark.read.format("delta").load(path)
     mirror.where("id = 3").write.format("delta").mode("append").save(path)  # row 3 twice
 
-    second = hour(spec, KEYS[1])[1]["primary_key_unique"]  # key 2: range [2, 2], no repeat
+    second = hour(spec, KEYS[1])[1]["primary_key_unique"]
     assert second.passed and second.metadata["element_count"].value == 1
-    third = hour(spec, KEYS[2])[1]["primary_key_unique"]  # keys 100..101: range misses 3
+    result, checks = hour(spec, KEYS[2])
+    third = checks["primary_key_unique"]
     assert third.passed and third.metadata["element_count"].value == 2
-    send(topic, _key(3), _change("u", 3, 50, name="touched"), t2 + 3_600_001)
-    send(topic, _key(9), _change("u", 9, 60), t2 + 7_200_000)  # closes hour 3
-    fourth_key = (HOUR + timedelta(hours=3)).strftime("%Y-%m-%d-%H:%M")
-    fourth = hour(spec, fourth_key)[1]["primary_key_unique"]
-    assert not fourth.passed
-    assert fourth.metadata["unexpected_count"].value == 2
+    duplicated = run_daily_checks([spec], resources)[daily]
+    assert not duplicated.passed and duplicated.severity == dg.AssetCheckSeverity.ERROR
+    figures = {name: value.value for name, value in duplicated.metadata.items()}
+    assert figures["duplicated_keys"] == 1 and figures["duplicated_rows"] == 2
+    assert (figures["keys"], figures["live_rows"]) == (5, 6)
+    assert figures["delta_version"] == result.delta_version  # the third hour's commit
+    described = duplicated.description
+    assert "1 of its 5 live keys has more than one live row (2 rows in all)" in described
+    assert "GROUP BY id HAVING count(*) > 1" in described
 
 
 def test_an_hour_over_its_error_share_fails_the_run_unless_the_table_accepts_it(
