@@ -584,9 +584,9 @@ def live_split(spec: TableSpec, ledger: DeltaLog, version: int) -> tuple[int, in
     before = rows.filter(pc.equal(kind, "update_preimage")).select([*keys, DELETED])
     after = rows.filter(pc.equal(kind, "update_postimage")).select([*keys, DELETED])
     pairs = before.rename_columns([*keys, "_before"]).join(
-        after.rename_columns([*keys, "_after"]), keys
+        after.rename_columns([*keys, "_after"]), keys, join_type="inner"
     )
-    if pairs.num_rows != after.num_rows:
+    if not pairs.num_rows == before.num_rows == after.num_rows:
         return None  # images that don't pair up by key: not read faithfully
     was, now = pairs.column("_before"), pairs.column("_after")
     undeleted = pc.sum(pc.and_(was, pc.invert(now))).as_py() or 0
