@@ -26,6 +26,7 @@ from checks.invariants import (
     continuity_result,
     error_rate_result,
     freshness_result,
+    history_result,
     retention_risk_result,
     schema_drift_result,
     toasted_values_result,
@@ -378,3 +379,24 @@ def test_retention_risk_fails_once_the_offsets_are_gone_or_unknown():
     assert "can no longer be replayed" in gone.description
     unknown = _retention(recorded_starts=None)
     assert not unknown.passed and "no recorded run" in unknown.description
+
+
+def test_the_history_check_fails_when_the_hour_did_not_reach_the_history():
+    """The per-hour history check judges the logs and the batch: the history's log must hold
+    a commit of the run's record, and its MERGE insert no more versions than the hour has."""
+    from cdc_assets.history import HistoryOutcome
+    from cdc_assets.history_tracking import FoldOutcome
+    from cdc_assets.results import HistoryRun
+
+    def judged(outcome, folded=None):
+        return history_result(_result(history=HistoryRun(outcome, folded)), POLICY)
+
+    good = HistoryOutcome(versions=3, opened=2, rewritten=1, version=7, recorded_version=7)
+    assert judged(good).passed
+    missing = replace(good, version=None, recorded_version=None)
+    assert "holds no commit of this run" in judged(missing).description
+    doubled = replace(good, opened=4)
+    assert "inserted 4 versions, more than the hour's 3" in judged(doubled).description
+    unfolded = FoldOutcome(3, 1, 0, 0, None, recorded_version=None)
+    assert "folded history's log holds no commit" in judged(good, unfolded).description
+    assert judged(good, replace(unfolded, recorded_version=9)).passed
