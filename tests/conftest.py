@@ -64,6 +64,28 @@ def pytest_sessionfinish(session, exitstatus):
     figures.save()  # the fault scenarios' figures, for `python -m tests.faults.report`
 
 
+SLOWEST_MODULES = 15
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The run's total and its slowest modules (setup, call and teardown summed per file): the
+    suite's budget, docs/testing.md."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            duration, nodeid = getattr(report, "duration", None), getattr(report, "nodeid", "")
+            if duration is not None and nodeid:
+                module = nodeid.split("::")[0]
+                seconds[module] = seconds.get(module, 0.0) + duration
+    if not seconds:
+        return
+    terminalreporter.write_sep("=", f"the {SLOWEST_MODULES} slowest test modules")
+    for module, spent in sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_MODULES]:
+        terminalreporter.write_line(f"{spent:8.1f} s  {module}")
+    total = sum(seconds.values())
+    terminalreporter.write_line(f"{total:8.1f} s  in all, over {len(seconds)} modules")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
