@@ -85,7 +85,7 @@ def _dropped(frame: DataFrame) -> int:
 
 def _decoded(spark: SparkSession, records: DataFrame, spec: TableSpec, hour: str) -> int:
     decoded = hour_run._decode(spark, records, spec, hour, {}, None, {})
-    decoded.frame.unpersist()
+    decoded.release()
     return decoded.tally.records
 
 
