@@ -127,7 +127,9 @@ def merge(work: Path, deletion_vectors: bool) -> dict:
     shutil.rmtree(warm, ignore_errors=True)
     changes = spark.read.parquet(str(work / "changes"))
     now = datetime.now(UTC)
-    merge_changes(spark, spec, warm, changes.limit(100), ingested_at=now, run_metadata={"hour": "warm"})
+    merge_changes(
+        spark, spec, warm, changes.limit(100), ingested_at=now, run_metadata={"hour": "warm"}
+    )
 
     path = str(work / ("mirror-dv" if deletion_vectors else "mirror-nodv"))
     metadata = {"hour": "bench", "pipeline": "benchmarks.deletion_vectors"}
