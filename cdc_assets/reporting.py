@@ -42,6 +42,8 @@ def result_metadata(result: HourResult, *, table_path: str) -> dict[str, dg.Meta
         "rows_inserted": dg.MetadataValue.int(result.rows_inserted),
         "rows_updated": dg.MetadataValue.int(result.rows_updated),
         "rows_deleted": dg.MetadataValue.int(result.rows_deleted),
+        # Where the three were counted: the commit's change data, or the MERGE's metrics.
+        "rows_counted_from": dg.MetadataValue.text(result.rows_counted_from),
         "delta_version": dg.MetadataValue.int(result.delta_version),
         "delta_path": dg.MetadataValue.path(table_path),
         "partial_hour": dg.MetadataValue.bool(result.partial),
