@@ -117,6 +117,8 @@ class DriverBatch:
                 for name in rows.column_names
             ]
         )
+        if rows.num_rows == 0:  # every column one empty chunk: PySpark takes no chunk at all
+            rows = pa.table([pa.array([], f.type) for f in rows.schema], schema=rows.schema)
         frame = self.spark.createDataFrame(rows, schema=schema)
         return mask_changes(frame, self.spec, self.masking_key)
 
