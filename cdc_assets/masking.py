@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_assets.config import TableSpec, spark_type
-from cdc_assets.sealing import MASKING_FIELD, seal_raw_bytes
+from cdc_assets.sealing import MASKING_FIELD, RAW_COLUMNS, seal_raw_bytes
 from resources.masking import HmacKey, MaskingKeyError
 
 HASH, DROP = "hash", "drop"
@@ -96,7 +96,10 @@ def mask_changes(decoded: DataFrame, spec: TableSpec, key: HmacKey | None) -> Da
             "are masked and the error table's raw bytes sealed, but run_hour got no masking "
             "key; pass the masking resource's key."
         )
-    masked = seal_raw_bytes(decoded, key)
+    # The raw bytes, where the frame has them (the error rows'; the newest changes per key a
+    # MERGE takes from a slice held in the driver carry none).
+    raw = all(c in decoded.columns for c in RAW_COLUMNS)
+    masked = seal_raw_bytes(decoded, key) if raw else decoded
     if hashed:
         hmac_sha256 = _hmac_udf(key)
         masked = masked.withColumns(
