@@ -13,8 +13,8 @@ need no running service:
 - `checks.report` (README, docs/checks.md), on an empty demo instance under `.local/dagster`;
 - `demo.hours` and the `$(...)` of it in other commands, on the demo's tables file as the demo
   shop writes it (`.local/demo/tables.yaml`, first hour two hours before the current one);
-- `dagster schedule start` and `dagster instance concurrency set` (README, docs/deploy.md), on
-  that instance (they load the code location; a few seconds each);
+- `dagster schedule start`, `dagster schedule stop` and `dagster instance concurrency set`
+  (README, docs/deploy.md), on that instance (they load the code location; a few seconds each);
 - `python -m tests.faults.report`, which prints the last figures or says to run the suite;
 - `openssl rand -hex 32`.
 
@@ -150,7 +150,7 @@ PARSE_ONLY_MODULES = {
 # Every benchmark runs for minutes: `python -m benchmarks.*` is checked by its parser too.
 PARSE_ONLY_PACKAGES = ("benchmarks.",)
 RUN_MODULES = {"checks.report", "tests.faults.report", "demo.hours"}
-RUN_DAGSTER = {("schedule", "start"), ("instance", "concurrency")}
+RUN_DAGSTER = {("schedule", "start"), ("schedule", "stop"), ("instance", "concurrency")}
 SERVICES = {"dagster-webserver", "dagster-daemon"}
 
 

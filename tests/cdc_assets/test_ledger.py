@@ -18,6 +18,8 @@ from pyspark.sql.types import StructType
 
 from cdc_assets.commits import change_feed, commit_metadata, spark_hour_history
 from cdc_assets.ledger import DeltaLog, _file_location
+from cdc_assets.merge import MERGE_PERSISTENT_DVS
+from resources.spark import session_settings
 
 
 def _run(n: int) -> dict:
@@ -191,7 +193,10 @@ def test_metadata_and_change_rows_equal_sparks_through_checkpoints_and_cleanup(
         "SELECT id, concat('m', id) AS name, timestamp'2026-11-02 02:00:00' AS at, "
         "id * 10 AS extra FROM range(15, 25)"
     )
-    _merge(spark, path, source, delete="s.id % 3 = 0", evolve=True)
+    # Delta's default: a MERGE writes deletion vectors (a run sets its own per MERGE and keeps
+    # it on the session, `merge.persistent_deletion_vectors`).
+    with session_settings(spark, {MERGE_PERSISTENT_DVS: "true"}):
+        _merge(spark, path, source, delete="s.id % 3 = 0", evolve=True)
     merged = log.commit(2)
     assert merged.cdc_files and any(f.deletion_vector for f in merged.added_files)
     assert [f["name"] for f in log.table_metadata().schema["fields"]] == columns
