@@ -149,13 +149,11 @@ def actual_sales(spark, path, day: date) -> dict[tuple, dict]:
 
 
 def versions_of_hour(spark, path, hour) -> list[int]:
-    """The mirror commits whose userMetadata names `hour`, read from DESCRIBE HISTORY."""
+    """The mirror commits whose userMetadata names `hour`, read from DESCRIBE HISTORY: the
+    run's own, not those that prepared its MERGE (the table's creation: `"prepares"`)."""
     history = DeltaTable.forPath(spark, path).history().select("version", "userMetadata")
-    return sorted(
-        r["version"]
-        for r in history.collect()
-        if r["userMetadata"] and json.loads(r["userMetadata"]).get("hour") == hour
-    )
+    records = [(r["version"], json.loads(r["userMetadata"] or "{}")) for r in history.collect()]
+    return sorted(v for v, meta in records if meta.get("hour") == hour and "prepares" not in meta)
 
 
 def affected_orders(spark, lake, hour) -> set[int]:
