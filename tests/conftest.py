@@ -24,7 +24,8 @@ from resources.spark import SparkResource
 from tests.faults import figures
 
 # Hypothesis profiles, sized for property tests whose every example runs the real pipeline
-# (seconds each, hence no deadline); a cheap property test sets its own max_examples.
+# (seconds each, hence no deadline); a cheap property test sets its own max_examples. The
+# examples a test pins (`@example`) run first, on top of these.
 # `ci` (the default when CI is set) draws the same examples every run and keeps no database;
 # `dev` draws new ones each run and keeps the failing ones in .local/hypothesis, replayed
 # first next time; `deep` explores longer. Pick one with --hypothesis-profile=NAME.
@@ -32,11 +33,11 @@ from tests.faults import figures
 HYPOTHESIS_HOME = figures.REPO / ".local" / "hypothesis"
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(HYPOTHESIS_HOME))
 settings.register_profile(
-    "ci", max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True
+    "ci", max_examples=6, deadline=None, derandomize=True, database=None, print_blob=True
 )
 settings.register_profile(
     "dev",
-    max_examples=20,
+    max_examples=6,
     deadline=None,
     database=DirectoryBasedExampleDatabase(str(HYPOTHESIS_HOME / "examples")),
 )
@@ -58,6 +59,20 @@ def _fault_figures_owner(request):
     """Ties the figures a test records to it (see `pytest_runtest_makereport`)."""
     with figures.recording_for(request.node.nodeid):
         yield
+
+
+# The fixtures that start a real service (a Kafka broker, Spark, the S3 server, a database and
+# Kafka Connect): a test that uses one, directly or through another fixture, is an integration
+# test, marked at collection whatever its module says, so `-m "not integration"` (the inner
+# loop, docs/testing.md) can't drift into starting them. A test that starts a service in its
+# own body marks itself.
+SERVICE_FIXTURES = frozenset({"broker", "spark_resource", "s3", "sources"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SERVICE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -13,6 +13,10 @@ Each capture's mirror is judged with the new columns undeclared and declared (`g
 default): a change written before a column existed takes its default, never an error, and a
 mirror that gains the declared column after it holds rows shows the default in those rows.
 
+The hour orders (in order, reversed, random with repeats) are crossed pairwise with the
+captures and the two ways of declaring (`ORDERS`): every pair of them still runs, in 9
+mirrors and 54 table-hours, where every capture in every order took 12 mirrors and 72.
+
 The default capture's undeclared mirrors keep their history (`history: true`): the source is
 read (`SELECT *`, with Postgres' clock) at four moments while the workload runs, and the history
 as of each moment's time equals that read row for row, whichever order the hours ran in,
@@ -229,6 +233,18 @@ def _unexpected_failures(checks, *, last: bool) -> dict[str, str]:
     return failed
 
 
+# The orders each mirror's hours run in (indexes into the test's `orders`: in order, reversed,
+# random with repeats), by (schemas on, columns declared later), crossed pairwise: the history's
+# mirror (schemas on, undeclared) in all three, every other in two, so each encoding and each
+# way of declaring the new columns meets every order, and every order more than one capture.
+ORDERS = {
+    (True, False): (0, 1, 2),
+    (True, True): (1, 2),
+    (False, False): (0, 2),
+    (False, True): (0, 1),
+}
+
+
 def _settle_and_move_clock(captures: list[Capture], sources, hour: datetime) -> None:
     for capture in captures:
         capture.settle()
@@ -335,8 +351,9 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
             [3, 2, 1, 0],
             random.Random(3).choices(range(4), k=6) + [0, 1, 2, 3],
         ]
-        # Each capture's hours in each order: a mirror of its own (named after the order) in
-        # one lake, run as a fleet run runs its tables, two at a time (cdc_assets/fleet.py).
+        # Each capture's hours in its orders (ORDERS): a mirror of its own (named after the
+        # order) in one lake, run as a fleet run runs its tables, two at a time
+        # (cdc_assets/fleet.py).
         work, mirrors = [], {}
         for capture in captures:
             for late in (False, True):
@@ -347,7 +364,8 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                     # rows from before it with the default the connector's schema declares.
                     judged = spec.model_copy(update={"columns": declared})
                 expected = source_rows(connection, TABLE, judged)
-                for n, order in enumerate(orders):
+                for n in ORDERS[capture.schemas, late]:
+                    order = orders[n]
                     name = f"{TABLE}_{capture.name}_{'declared_' if late else ''}{n}"
                     hours = [KEYS[h] for h in order]
                     history = capture.schemas and not late

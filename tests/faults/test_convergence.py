@@ -42,7 +42,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 from kafka import TopicPartition
 
@@ -220,6 +220,33 @@ def _mirror(spec: TableSpec, n: int, *, tracking: str = "every change") -> Table
     return TableSpec.model_validate({**spec.model_dump(), "name": f"accounts_{n}", **first})
 
 
+# Schedules every run tries first, whatever the profile draws after them (`example`): the one
+# the property shrank to when the MERGE's sequence guard was removed, then schedules that
+# between them take every mode the strategy draws, so the drawn ones need not: code generated
+# and interpreted, each history tracking, one and two mirrors, every hour in reverse and a
+# subset, repeats, refreshes at both seconds rising to a complete run, and an hour refreshed by
+# one mirror while another ran it whole.
+PINNED: list[tuple[list[list[Run]], bool, str]] = [
+    ([[(0, None), (2, None), (3, None), (1, None)]], False, "every change"),
+    (
+        [
+            [(3, None), (2, None), (1, None), (0, None)],
+            [(1, 10), (1, 25), (1, None), (0, None), (1, None)],
+        ],
+        True,
+        "except balance",
+    ),
+    ([[(2, None), (0, 10), (3, None), (0, None), (1, None), (2, None)]], False, "name only"),
+    ([[(1, None), (3, None)], [(3, 25), (0, None), (3, None)]], True, "every change"),
+]
+
+
+def _pinned(function):
+    for schedule, compiled, tracking in reversed(PINNED):
+        function = example(schedule, compiled, tracking)(function)
+    return function
+
+
 def test_any_schedule_of_hours_converges_to_the_reference(
     broker, kafka, spark, create_topic, tmp_path
 ):
@@ -249,6 +276,7 @@ def test_any_schedule_of_hours_converges_to_the_reference(
     # not tell the two apart.
     # And how the first mirror's history tracks columns (`TRACKING`).
     @given(_schedules(), st.booleans(), st.sampled_from(sorted(TRACKING)))
+    @_pinned
     def converges(schedule: list[list[Run]], compiled: bool, tracking: str) -> None:
         nonlocal cases, table_hours
         cases += 1
@@ -313,6 +341,6 @@ def test_any_schedule_of_hours_converges_to_the_reference(
             time.monotonic() - started,
         )
         record("convergence_property", total, faults=cases)
-    assert cases >= settings().max_examples, f"only {cases} schedules ran"
+    assert cases >= len(PINNED) + settings().max_examples, f"only {cases} schedules ran"
     assert len(modes) == 2, f"schedules ran in one mode only (code generated: {dict(modes)})"
     assert len(trackings) == len(TRACKING), f"history trackings drawn: {dict(trackings)}"
