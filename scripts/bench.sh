@@ -6,5 +6,5 @@
 #   scripts/bench.sh --profile smoke    a few minutes, to see that it works
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install.sh
+scripts/install.sh --bench
 exec .venv/bin/python -m benchmarks.run "$@"

@@ -7,7 +7,8 @@
 # python3.11, java 17 and mvn on PATH, and Debian's apt-get and dpkg-deb.
 # `--demo`: only what the demo needs before its UI answers: no MariaDB (the tests' second CDC
 # source) and no class-data archive; `--archive`: that archive alone, once the rest is installed
-# (scripts/demo.sh runs it beside the demo's start).
+# (scripts/demo.sh runs it beside the demo's start); `--bench`: the benchmark's packages too
+# (scripts/bench.sh), which the tests and the demo don't need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,11 +22,13 @@ make_archive() {
 }
 
 demo=false
+extras=dev
 case "${1:-}" in
   --demo) demo=true ;;
   --archive) make_archive; exit 0 ;;
+  --bench) extras=dev,bench ;;
   "") ;;
-  *) echo "usage: scripts/install.sh [--demo|--archive]" >&2; exit 2 ;;
+  *) echo "usage: scripts/install.sh [--demo|--archive|--bench]" >&2; exit 2 ;;
 esac
 
 # Each step that does something says so, then how long it took.
@@ -56,13 +59,16 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 command -v java >/dev/null || { echo "install: java (17+) is not on PATH" >&2; exit 1; }
 command -v mvn >/dev/null || { echo "install: mvn is not on PATH" >&2; exit 1; }
 
-stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  echo "install: Python packages into .venv (pinned in pyproject.toml)"
+# One stamp per lock and set of extras; a venv installed with the benchmark's extras also serves
+# the tests.
+pins=$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+stamp=.venv/.installed-$pins-${extras/,/-}
+if [ ! -f "$stamp" ] && ! [ -f ".venv/.installed-$pins-dev-bench" ]; then
+  echo "install: Python packages into .venv (pinned in pyproject.toml; extras: $extras)"
   t0=$SECONDS
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   logged pip .venv/bin/python -m pip install --quiet --upgrade pip
-  logged pip .venv/bin/python -m pip install --constraint constraints.txt -e ".[dev,bench]"
+  logged pip .venv/bin/python -m pip install --constraint constraints.txt -e ".[$extras]"
   # A conflict pip's resolver only warns about (exit 0) fails the install here.
   logged pip .venv/bin/python -m pip check
   rm -f .venv/.installed-* && touch "$stamp"
