@@ -234,10 +234,13 @@ def _unexpected_failures(checks, *, last: bool) -> dict[str, str]:
     return failed
 
 
-# The orders each mirror's hours run in (indexes into the test's `orders`: in order, reversed,
-# shuffled with repeats), by (schemas on, columns declared later), crossed pairwise: the history's
-# mirror (schemas on, undeclared) in all three, every other in two, so each encoding and each
-# way of declaring the new columns meets every order, and every order more than one capture.
+# The orders hours run in: in order, reversed, and shuffled with repeats (a later hour first,
+# hours run again after later ones, hour 1 only after 2 and 3).
+HOUR_ORDERS = ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 2, 1, 0])
+# Which of them each mirror runs (indexes into HOUR_ORDERS), by (schemas on, columns declared
+# later), crossed pairwise: the history's mirror (schemas on, undeclared) in all three, every
+# other in two, so each encoding and each way of declaring the new columns meets every order,
+# and every order more than one capture.
 ORDERS = {
     (True, False): (0, 1, 2),
     (True, True): (1, 2),
@@ -347,13 +350,6 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
         moments.append((tier0_judged, *source_moment(connection, TABLE, tier0_judged)))
         moved = {(103,), (105,), (203,), (108,)}  # rows a primary-key update created
 
-        orders = [
-            [0, 1, 2, 3],
-            [3, 2, 1, 0],
-            # Shuffled with repeats: a later hour first, hours run again after later ones
-            # (replays), and hour 1 only after 2 and 3.
-            [2, 0, 3, 2, 1, 0],
-        ]
         # Each capture's hours in its orders (ORDERS): a mirror of its own (named after the
         # order) in one lake, run as a fleet run runs its tables, two at a time
         # (cdc_assets/fleet.py).
@@ -368,7 +364,7 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                     judged = spec.model_copy(update={"columns": declared})
                 expected = source_rows(connection, TABLE, judged)
                 for n in ORDERS[capture.schemas, late]:
-                    order = orders[n]
+                    order = HOUR_ORDERS[n]
                     name = f"{TABLE}_{capture.name}_{'declared_' if late else ''}{n}"
                     hours = [KEYS[h] for h in order]
                     history = capture.schemas and not late
