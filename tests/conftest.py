@@ -21,6 +21,7 @@ from devtools import kafka_broker, s3_server
 from resources.kafka import KafkaResource
 from resources.lake import LakeResource
 from resources.spark import SparkResource
+from tests import support
 from tests.faults import figures
 
 # Hypothesis profiles, sized for property tests whose every example runs the real pipeline
@@ -200,8 +201,16 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Lakes]:
             aws_access_key_id=key.key_id,
             aws_secret_access_key=key.secret,
         ).create_bucket(Bucket="lake")
+        support.S3_OPTIONS.update(  # the oracles' deltalake reads of the lake
+            AWS_ENDPOINT_URL=config.endpoint,
+            AWS_REGION=config.region,
+            AWS_ACCESS_KEY_ID=key.key_id,
+            AWS_SECRET_ACCESS_KEY=key.secret,
+            AWS_ALLOW_HTTP="true",
+        )
         yield S3Lakes(endpoint=config.endpoint, bucket="lake", region=config.region)
     finally:
+        support.S3_OPTIONS.clear()
         s3_server.stop(config)
         os.environ.pop(S3_KEY_ENV, None)
         os.environ.pop(S3_SECRET_ENV, None)

@@ -1,5 +1,9 @@
 """Helpers shared by the integration tests: demo topics, Kafka read-back, mirror rows, the
-daily checks' job run in process."""
+daily checks' job run in process.
+
+The oracles read Delta tables with deltalake (delta-rs and its DataFusion engine, `delta_rows`),
+not with the Spark and delta-spark that wrote them: independent of the code under test, and a
+few milliseconds a read where a Spark job on the suite's session costs tenths of a second."""
 
 from __future__ import annotations
 
@@ -8,11 +12,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
 from kafka import KafkaConsumer, TopicPartition
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from cdc_assets.commits import live_rows
+from cdc_assets.columns import DELETED
 from cdc_assets.config import TableSpec, load_tables, spark_type
 from cdc_assets.factory import build_mirror_assets
 from checks.daily import DAILY_CHECKS_JOB, build_daily_checks, build_daily_checks_schedule
@@ -132,14 +137,39 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def mirror_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:
-    """The mirror's live rows as Python values typed like demo.reference's (UTC-aware times)."""
-    return typed_rows(live_rows(spark, path), spec)
+# deltalake's connection to the suite's S3 server (tests/conftest.py's `s3` sets it), for the
+# oracles' reads of an s3a:// mirror.
+S3_OPTIONS: dict[str, str] = {}
+
+
+def delta_rows(path: str, *, where: str | None = None, version: int | None = None) -> pa.Table:
+    """The Delta table at `path` (its `version`, else the newest), rows matching the SQL
+    `where`, read by deltalake's query engine (which applies deletion vectors)."""
+    location = path.replace("s3a://", "s3://", 1)
+    options = dict(S3_OPTIONS) if location.startswith("s3://") else None
+    if options is None and "://" in location and not location.startswith("file://"):
+        raise ValueError(f"the oracles read local or S3 tables, not {path}")
+    table = DeltaTable(location, version=version, storage_options=options)
+    query = "SELECT * FROM t" + (f" WHERE {where}" if where else "")
+    return pa.table(QueryBuilder().register("t", table).execute(query))
+
+
+def mirror_rows(path: str, spec: TableSpec) -> dict[tuple, dict]:
+    """The mirror's live rows as Python values typed like demo.reference's (UTC-aware times),
+    read with deltalake."""
+    return rows_by_key(delta_rows(path, where=f"NOT {DELETED}").to_pylist(), spec)
+
+
+def rows_by_key(rows: Sequence[dict], spec: TableSpec) -> dict[tuple, dict]:
+    """`rows` by primary key, the spec's columns only."""
+    return {
+        tuple(row[k] for k in spec.primary_key): {c: row[c] for c in spec.columns} for row in rows
+    }
 
 
 def typed_rows(frame, spec: TableSpec, extra: Sequence[str] = ()) -> dict[tuple, dict]:
-    """`frame`'s rows by primary key: the spec's columns typed like demo.reference's (UTC-aware
-    times), and `extra` columns as Spark returns them."""
+    """A Spark `frame`'s rows by primary key: the spec's columns typed like demo.reference's
+    (UTC-aware times), and `extra` columns as Spark returns them."""
     columns = []
     for name, declared in spec.columns.items():
         col = F.col(name)
@@ -160,10 +190,11 @@ def _is_timestamp(declared: str) -> bool:
     return spark_type(declared) == "timestamp"
 
 
-def full_table(spark: SparkSession, path: str) -> list[dict]:
-    """Every row of the mirror, tombstones included, minus the per-run ingestion time."""
-    frame = spark.read.format("delta").load(path).drop("_cdc_ingested_at")
-    return sorted((r.asDict(recursive=True) for r in frame.collect()), key=repr)
+def full_table(path: str) -> list[dict]:
+    """Every row of the mirror, tombstones included, minus the per-run ingestion time, read
+    with deltalake."""
+    rows = delta_rows(path).drop_columns(["_cdc_ingested_at"]).to_pylist()
+    return sorted(rows, key=repr)
 
 
 def diff_rows(actual: dict[tuple, dict], expected: dict[tuple, dict]) -> dict[str, list]:

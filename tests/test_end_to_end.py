@@ -257,7 +257,7 @@ def test_the_sensors_materialize_every_closed_hour_and_its_downstream(deployment
     for spec in specs:
         records = read_topic(d["broker"], spec.topic)
         expected = replay(spec, [(p, o, v) for p, o, v, _ in records])
-        assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+        assert mirror_rows(lake.table_path(spec.name), spec) == expected
         assert expected == d["source"].state(spec.name)
 
     _everything_lives_in_postgres(d, [r["runId"] for r in runs], keys[0])

@@ -199,7 +199,7 @@ def test_a_range_of_hours_of_two_tables_is_backfilled_from_the_command_line(
     for spec in specs:
         records = read_topic(broker, spec.topic)
         expected = replay(spec, [(p, o, v) for p, o, v, _ in records])
-        assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+        assert mirror_rows(lake.table_path(spec.name), spec) == expected
 
 
 def _refusals_say_why(port: int, keys: list[str], capsys) -> None:

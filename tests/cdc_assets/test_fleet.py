@@ -66,9 +66,7 @@ def test_tables_of_one_run_each_get_their_hour_and_a_failing_table_fails_alone(
         path = lake.table_path(spec.name)
         # Its own rows, its own checks, its own commit carrying its own slice.
         n = int(spec.name.rsplit("_", 1)[1])
-        assert sorted(mirror_rows(resources["spark"].session, path, spec)) == [
-            (row,) for row in range(n * 10, n * 10 + 5)
-        ]
+        assert sorted(mirror_rows(path, spec)) == [(row,) for row in range(n * 10, n * 10 + 5)]
         mine = {e.check_name: e.passed for e in evaluations if e.asset_key.path == [spec.name]}
         assert sorted(mine) == sorted(run_check_names(spec)) and all(mine.values()), mine
         metadata = materialized[spec.name].event_specific_data.materialization.metadata

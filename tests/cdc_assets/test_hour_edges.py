@@ -98,7 +98,7 @@ def test_an_open_hour_is_refused_until_forced(run, create_topic, send, kafka, sp
     # the two the forced run applied are stale.
     assert completed.counts.consumed == 3 and completed.refreshed_to is None
     assert completed.counts.applied == 1 and completed.counts.stale == 2
-    assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (4,)]
+    assert sorted(mirror_rows(lake.table_path(spec.name), spec)) == [(1,), (2,), (4,)]
 
 
 def test_the_current_hour_is_refused_in_dagster_and_forcing_marks_it_partial(
@@ -271,7 +271,7 @@ def test_bad_records_go_to_the_error_table_and_the_counts_add_up(
 
     expected, expected_errors = replay_with_errors(spec, [(p, o, v) for p, o, v, _ in records])
     assert len(expected_errors) == len(bad)
-    assert diff_rows(mirror_rows(spark, lake.table_path(spec.name), spec), expected) == {
+    assert diff_rows(mirror_rows(lake.table_path(spec.name), spec), expected) == {
         "missing": [],
         "unexpected": [],
         "different": [],
@@ -319,7 +319,7 @@ def test_deletes_need_only_their_key(run, create_topic, send, broker, kafka, spa
     ]
     expected = replay_with_errors(spec, records)[0]
     assert sorted(expected) == [(4,)]
-    assert mirror_rows(spark, lake.table_path(spec.name), spec) == expected
+    assert mirror_rows(lake.table_path(spec.name), spec) == expected
     tombstones = spark.read.format("delta").load(lake.table_path(spec.name)).where("_cdc_deleted")
     assert sorted(r.id for r in tombstones.collect()) == [1, 2, 3]
 
@@ -394,7 +394,7 @@ def test_timestamps_in_each_unit_and_bad_source_times(
         spec, [(p, o, v) for p, o, v, _ in read_topic(broker, topic)]
     )
     assert len(errors) == 3
-    actual = mirror_rows(spark, lake.table_path(spec.name), spec)
+    actual = mirror_rows(lake.table_path(spec.name), spec)
     assert actual == expected
     first = actual[(1,)]
     assert first["at_ms"] == first["at_us"].replace(microsecond=373_000)
@@ -497,7 +497,7 @@ def test_a_late_record_after_an_idle_close_lands_in_the_next_hour(
     second = run(spec, lake, hour_key=nxt.strftime("%Y-%m-%d-%H:%M"))
     assert second.slice.start_offsets() == {0: 1}
     assert second.counts.applied == 2
-    assert sorted(mirror_rows(spark, lake.table_path(spec.name), spec)) == [(1,), (2,), (3,)]
+    assert sorted(mirror_rows(lake.table_path(spec.name), spec)) == [(1,), (2,), (3,)]
 
 
 def test_a_sequence_the_connector_does_not_send_fails_fast(
@@ -569,9 +569,7 @@ def test_an_empty_hour_reads_nothing_records_its_slice_and_the_next_hour_continu
     (freshness,) = [e for e in empty.get_asset_check_evaluations() if e.check_name == "freshness"]
     assert freshness.metadata["lag_minutes"].value == round((2 * 3600 - 2) / 60, 2)
     path = lake.table_path(spec.name)
-    assert mirror_rows(spark, path, spec) == {
-        (1,): {"id": 1, "name": "m", "balance": Decimal("1.00")}
-    }
+    assert mirror_rows(path, spec) == {(1,): {"id": 1, "name": "m", "balance": Decimal("1.00")}}
     # The third hour starts where the empty one ended (continuity), which is where the first
     # ended: the empty hour's slice is on record.
     history = hour_history(spark, path)[1]
@@ -648,7 +646,7 @@ def test_refreshes_read_only_what_is_new_and_the_final_run_completes_the_hour(
     def agrees(result) -> None:
         ends = result.slice.end_offsets()
         records = [(p, o, v) for p, o, v, _ in read_topic(broker, topic) if o < ends.get(p, 0)]
-        assert diff_rows(mirror_rows(spark, path, spec), replay_with_errors(spec, records)[0]) == {
+        assert diff_rows(mirror_rows(path, spec), replay_with_errors(spec, records)[0]) == {
             "missing": [],
             "unexpected": [],
             "different": [],

@@ -115,7 +115,7 @@ def test_every_demo_table_matches_the_source(demo, in_order, broker, spark):
         records = read_topic(broker, spec.topic)
         expected, expected_errors = replay_with_errors(spec, [(p, o, v) for p, o, v, _ in records])
         assert expected == source.state(spec.name), "reference and source disagree"
-        actual = mirror_rows(spark, lake.table_path(spec.name), spec)
+        actual = mirror_rows(lake.table_path(spec.name), spec)
         assert diff_rows(actual, expected) == {"missing": [], "unexpected": [], "different": []}
         assert len(actual) > 0
 
@@ -217,10 +217,10 @@ def test_reruns_and_any_hour_order_converge(demo, in_order, kafka, spark, tmp_pa
             )
 
     for spec in specs:
-        expected = full_table(spark, reference.table_path(spec.name))
-        actual = full_table(spark, shuffled.table_path(spec.name))
+        expected = full_table(reference.table_path(spec.name))
+        actual = full_table(shuffled.table_path(spec.name))
         assert actual == expected
-        assert mirror_rows(spark, shuffled.table_path(spec.name), spec) == source.state(spec.name)
+        assert mirror_rows(shuffled.table_path(spec.name), spec) == source.state(spec.name)
 
 
 # Per-run values: when the run finished, and where its lake is.
@@ -331,18 +331,16 @@ def test_a_backfill_on_a_spark_cluster_equals_the_hours_run_one_by_one_locally(
 
     lake = s3.reader(prefix, spark)
     for spec in specs:
-        assert full_table(spark, lake.table_path(spec.name)) == full_table(
-            spark, reference.table_path(spec.name)
-        )
+        assert full_table(lake.table_path(spec.name)) == full_table(reference.table_path(spec.name))
 
 
 def test_rerunning_an_hour_leaves_rows_unchanged(demo, in_order, kafka, spark, spark_resource):
     specs, _, _, keys = demo
     lake, _ = in_order  # a rerun adds only a ledger commit, so the shared tables stay as they are
-    before = {s.name: full_table(spark, lake.table_path(s.name)) for s in specs}
+    before = {s.name: full_table(lake.table_path(s.name)) for s in specs}
     metadata = _materialize(specs, keys[1:2], kafka=kafka, spark_resource=spark_resource, lake=lake)
     for spec in specs:
-        assert full_table(spark, lake.table_path(spec.name)) == before[spec.name]
+        assert full_table(lake.table_path(spec.name)) == before[spec.name]
         m = metadata[(spec.name, keys[1])]
         assert m["applied"] == 0 and m["rows_inserted"] == m["rows_updated"] == 0
         assert m["stale"] > 0
@@ -355,5 +353,5 @@ def test_reference_would_catch_a_wrong_mirror(demo, broker, spark, kafka, lake):
     for key in keys[:-1]:
         run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=key)
     expected = replay(spec, [(p, o, v) for p, o, v, _ in read_topic(broker, spec.topic)])
-    diff = diff_rows(mirror_rows(spark, lake.table_path(spec.name), spec), expected)
+    diff = diff_rows(mirror_rows(lake.table_path(spec.name), spec), expected)
     assert any(diff.values())

@@ -174,11 +174,11 @@ def source_rows(
     return rows
 
 
-def mirror_live_rows(spark: SparkSession, path: str, spec: TableSpec) -> dict[tuple, dict]:
+def mirror_live_rows(path: str, spec: TableSpec) -> dict[tuple, dict]:
     """The mirror's live rows, normalized as `source_rows`."""
     return {
         key: {c: normalize(spec.columns[c], row[c]) for c in spec.columns}
-        for key, row in mirror_rows(spark, path, spec).items()
+        for key, row in mirror_rows(path, spec).items()
     }
 
 

@@ -218,7 +218,7 @@ def test_mirror_of_a_real_mariadb_equals_the_source_in_any_hour_order(
                     failed,
                     result.error_reasons,
                 )
-            actual = mirror_live_rows(spark, lake.table_path(TABLE), spec)
+            actual = mirror_live_rows(lake.table_path(TABLE), spec)
             different = {
                 k: {
                     c: (actual[k][c], expected[k][c])

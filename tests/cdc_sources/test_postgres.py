@@ -336,7 +336,7 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
             hour_key=KEYS[2], now=HOURS[2] + timedelta(minutes=30), force_open_hour=True,
         )  # fmt: skip
         assert refresh.partial and refresh.counts.applied > 0
-        assert mirror_live_rows(spark, lake.table_path(tier0.name), tier0_judged) == (
+        assert mirror_live_rows(lake.table_path(tier0.name), tier0_judged) == (
             source_rows(connection, TABLE, tier0_judged)
         )
 
@@ -414,7 +414,7 @@ def test_mirrors_of_a_real_postgres_equal_the_source_in_any_hour_order(
                 result = hour_run.result
                 problems = (capture.schemas, order, result.hour_key, failed, result.error_reasons)
                 assert not failed and not result.counts.errors, problems
-            actual = mirror_live_rows(spark, lake.table_path(run.spec.name), judged)
+            actual = mirror_live_rows(lake.table_path(run.spec.name), judged)
             different = {
                 k: {c: (actual[k][c], expected[k][c]) for c in judged.columns
                     if actual[k][c] != expected[k][c]}

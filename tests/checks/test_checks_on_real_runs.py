@@ -119,7 +119,7 @@ def test_hard_expectations_keep_failing_changes_out_of_the_mirror(
 
     committed = read_topic(broker, topic)
     expected = replay(spec, [(p, o, v) for p, o, v, _ in committed if passes(v)])
-    actual = mirror_rows(spark, lake.table_path(spec.name), spec)
+    actual = mirror_rows(lake.table_path(spec.name), spec)
     assert diff_rows(actual, expected) == {"missing": [], "unexpected": [], "different": []}
     assert sorted(actual) == [(1,), (4,)]
 

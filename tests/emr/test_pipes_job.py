@@ -136,7 +136,7 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
 
     # The mirror equals the plain-Python replay of what Kafka committed.
     expected = table.reference(broker, spec, upto_hour=0).expected
-    assert diff_rows(mirror_rows(spark, path, spec), expected) == {
+    assert diff_rows(mirror_rows(path, spec), expected) == {
         "missing": [],
         "unexpected": [],
         "different": [],
@@ -145,7 +145,7 @@ def test_an_hour_through_pipes_equals_the_reference_and_an_open_hour_fails(
     other_expected = table.reference(broker, other, upto_hour=0).expected
     assert sorted(other_expected) == [(1,), (2,), (3,)]
     assert not any(
-        diff_rows(mirror_rows(spark, lake.table_path(other.name), other), other_expected).values()
+        diff_rows(mirror_rows(lake.table_path(other.name), other), other_expected).values()
     )
     commits = _commits(path)
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
-
+from cdc_assets.columns import DELETED
 from cdc_assets.config import TableSpec
-from tests.support import mirror_rows
+from tests.support import delta_rows, rows_by_key
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PATH = REPO / ".local" / "faults" / "figures.json"
@@ -90,7 +89,6 @@ SCENARIOS = (
 
 
 def compare(
-    spark: SparkSession,
     path: str,
     spec: TableSpec,
     expected: dict[tuple, dict],
@@ -98,13 +96,14 @@ def compare(
 ) -> Comparison:
     """The mirror at `path` against `expected` (reference live rows by key).
 
-    `seen_keys` are all keys the reference met, so keys seen but not live were deleted.
+    `seen_keys` are all keys the reference met, so keys seen but not live were deleted. The
+    mirror is read with deltalake (`tests.support.delta_rows`).
     """
-    actual = mirror_rows(spark, path, spec)
+    stored = delta_rows(path).to_pylist()
+    actual = rows_by_key([row for row in stored if not row[DELETED]], spec)
+    per_key = Counter(tuple(row[k] for k in spec.primary_key) for row in stored)
+    extra = sum(count - 1 for count in per_key.values())
     deleted = seen_keys - set(expected)
-    keys = [F.col(k) for k in spec.primary_key]
-    doubled = spark.read.format("delta").load(path).groupBy(*keys).count().where(F.col("count") > 1)
-    extra = doubled.agg(F.sum(F.col("count") - 1)).first()[0] or 0
     lost = sorted(set(expected) - set(actual))
     resurrected = sorted(set(actual) & deleted)
     unknown = sorted(set(actual) - set(expected) - deleted)

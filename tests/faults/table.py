@@ -19,7 +19,7 @@ from cdc_assets.hour_run import run_hour
 from checks.table_checks import MIRROR_CHECKS
 from demo.reference import history as history_reference
 from demo.reference import replay, tracked_history
-from tests.support import accounts_spec, read_records
+from tests.support import accounts_spec, delta_rows, read_records
 
 FIRST = datetime(2026, 11, 4, 8, tzinfo=UTC)
 KEY_FORMAT = "%Y-%m-%d-%H:%M"
@@ -233,7 +233,7 @@ def runner(spark, kafka, lake, spec_: TableSpec):
 
 
 def history_differences(
-    spark, path: str, spec_: TableSpec, records: Sequence[tuple], *, folded: bool = False
+    path: str, spec_: TableSpec, records: Sequence[tuple], *, folded: bool = False
 ) -> list[str]:
     """`<table>__history` at `path` against `demo.reference.history` of `records` (as
     `read_records(..., headers=True)` returns them), version by version: each key's versions in
@@ -241,13 +241,13 @@ def history_differences(
     (and TOASTed values' unknown flags). Kafka coordinates are left out (a change delivered
     twice is one version, kept with whichever coordinates). `folded`: against
     `demo.reference.tracked_history` (a table with tracked columns). Returns what differs, []
-    when nothing does."""
+    when nothing does. The history is read with deltalake (`tests.support.delta_rows`)."""
     from cdc_assets.columns import source_fields  # tests: imported where used
 
     reference = tracked_history if folded else history_reference
     expected = reference(spec_, [(p, o, v, k, h) for p, o, v, k, _, h in records])
-    frame = spark.read.format("delta").load(path)
-    fields = source_fields(frame.schema["_cdc_sequence"].dataType)
+    stored = delta_rows(path)
+    fields = source_fields(stored.schema.field("_cdc_sequence").type)
 
     def position(struct) -> tuple | None:
         return None if struct is None else tuple(struct[f] for f in fields)
@@ -255,15 +255,13 @@ def history_differences(
     flags = [f"_cdc_unknown__{c}" for c in spec_.toasted_columns]
     compared = [*spec_.columns, "_cdc_op", "_cdc_deleted", *flags]
     actual: dict[tuple, list[dict]] = {}
-    for row in frame.collect():
-        values = row.asDict()
-        version = {c: _utc(values[c]) if isinstance(values[c], datetime) else values[c]
-                   for c in compared}  # fmt: skip
+    for values in stored.to_pylist():
+        version = {c: values[c] for c in compared}  # deltalake's times are UTC-aware
         version.update(
             _cdc_sequence=position(values["_cdc_sequence"]),
             _cdc_end_sequence=position(values["_cdc_end_sequence"]),
-            _cdc_valid_from=_utc(values["_cdc_valid_from"]),
-            _cdc_valid_to=_utc(values["_cdc_valid_to"]),
+            _cdc_valid_from=values["_cdc_valid_from"],
+            _cdc_valid_to=values["_cdc_valid_to"],
             _cdc_current=values["_cdc_current"],
         )
         actual.setdefault(tuple(values[k] for k in spec_.primary_key), []).append(version)
@@ -285,10 +283,3 @@ def history_audit(spark, spec_: TableSpec, path: str, lake):
     keys = versions.select(*spec_.primary_key, "_cdc_sequence")
     mirror = lake.table_path(spec_.name)
     return audit_history(spark, spec_, path, mirror, keys, data_columns(spec_, versions))
-
-
-def _utc(moment: datetime | None) -> datetime | None:
-    """A timestamp Spark returned (naive, in the session's zone: UTC in the tests) as UTC."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)

@@ -54,7 +54,7 @@ def scenario(broker, kafka, spark, create_topic, lake):
 
         def check(upto_hour: int | None = None):
             ref = table.reference(broker, spec, upto_hour=upto_hour)
-            return compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+            return compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
 
         return spec, run, check
 
@@ -140,7 +140,7 @@ def test_a_truncate_stops_the_run_unless_the_table_applies_it(
     for hour in (1, 0, 2):
         assert _accounted(run_applying(hour, lake=fresh))
     ref = table.reference(broker, applying)
-    on_fresh = compare(spark, fresh.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+    on_fresh = compare(fresh.table_path(spec.name), spec, ref.expected, ref.seen_keys)
     record("truncate_fail_or_apply", comparison, faults=faults + 4)
     record("truncate_first_then_older_hours", on_fresh, faults=3)
     assert comparison.clean, comparison.details
@@ -201,7 +201,7 @@ def test_aborted_and_open_transactions(broker, scenario, spark, tmp_path):
     held = run(0, lake=fresh)
     assert held.counts.consumed == 2 and _accounted(held)
     ref = table.reference(broker, spec)
-    opened = compare(spark, fresh.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+    opened = compare(fresh.table_path(spec.name), spec, ref.expected, ref.seen_keys)
     figures = ("lost", "duplicates", "resurrected", "mismatches")
     total = Comparison(**{n: getattr(aborted, n) + getattr(opened, n) for n in figures})
     record("aborted_and_open_transactions", total, faults=2)
@@ -242,7 +242,7 @@ def test_offsets_deleted_before_an_hour_ran(broker, scenario, kafka, spark, spar
     assert "offsets [0, 15) are already deleted" in evaluation.description
     # The hour-0 rows stay; the mirror holds what was read before the loss, nothing invented.
     path = lake.table_path(spec.name)
-    comparison = compare(spark, path, spec, before_loss.expected, before_loss.seen_keys)
+    comparison = compare(path, spec, before_loss.expected, before_loss.seen_keys)
     record("offsets_deleted_by_retention", comparison, faults=1)
     assert comparison.clean, comparison.details
 
@@ -373,7 +373,7 @@ def test_a_new_column_is_added_and_incompatible_values_are_errors(broker, scenar
     added = {"tier": "string"}
     ref = table.reference(broker, spec, added_columns=added)
     with_tier = spec.model_copy(update={"columns": {**spec.columns, **added}})
-    comparison = compare(spark, lake.table_path(spec.name), with_tier, ref.expected, ref.seen_keys)
+    comparison = compare(lake.table_path(spec.name), with_tier, ref.expected, ref.seen_keys)
     record("schema_new_column_and_type_change", comparison, faults=3)
     assert comparison.clean, comparison.details
     assert all(_accounted(r) for r in results)
@@ -426,9 +426,7 @@ def test_an_unchanged_toasted_value_keeps_the_newest_known_one(broker, scenario,
         for hour in order:
             assert _accounted(run(hour, lake=lake))
         ref = table.reference(broker, spec)
-        outcomes.append(
-            compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
-        )
+        outcomes.append(compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys))
     figures = ("lost", "duplicates", "resurrected", "mismatches")
     total = Comparison(**{n: sum(getattr(c, n) for c in outcomes) for n in figures})
     record("toasted_value_unchanged", total, faults=5)
@@ -466,7 +464,7 @@ def test_a_moved_rows_unchanged_toasted_value_comes_from_its_old_key(
         for hour in order:
             assert _accounted(run(hour, lake=lake))
         path = lake.table_path(spec.name)
-        outcomes.append(compare(spark, path, spec, ref.expected, ref.seen_keys))
+        outcomes.append(compare(path, spec, ref.expected, ref.seen_keys))
         flags = {
             r["id"]: r["_cdc_unknown__name"]
             for r in spark.read.format("delta").load(path).where("NOT _cdc_deleted").collect()

@@ -315,14 +315,12 @@ def test_any_schedule_of_hours_converges_to_the_reference(
                 path = lake.table_path(f"{mirror.name}__history")
                 if tracked:
                     changes = lake.table_path(f"{mirror.name}__history_changes")
-                    wrong = table.history_differences(spark, changes, spec, read)
+                    wrong = table.history_differences(changes, spec, read)
                     assert not wrong, (mirror.name, runs, wrong[:3])
-                wrong = table.history_differences(spark, path, mirror, read, folded=tracked)
+                wrong = table.history_differences(path, mirror, read, folded=tracked)
                 assert not wrong, (mirror.name, runs, wrong[:3])
             ref = table.reference_of(spec, read)
-            comparison = compare(
-                spark, lake.table_path(mirror.name), spec, ref.expected, ref.seen_keys
-            )
+            comparison = compare(lake.table_path(mirror.name), spec, ref.expected, ref.seen_keys)
             for name in FIGURES:
                 setattr(total, name, getattr(total, name) + getattr(comparison, name))
             assert comparison.clean, (mirror.name, runs, comparison)

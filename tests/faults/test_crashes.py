@@ -543,12 +543,12 @@ def test_a_run_killed_before_its_delta_commit_leaves_the_previous_version(
     # version, row for row.
     assert killed.orphans
     assert DeltaTable.forPath(spark, path).history(1).first()["version"] == killed.prior
-    assert compare(spark, path, spec, before.expected, before.seen).clean
+    assert compare(path, spec, before.expected, before.seen).clean
 
     _rerun_in_dagster(killed, spec, broker, spark_resource)
     commits = _commits_after(killed, killed.prior)
     assert [_operation(c) for c in commits if _data_changing(c)] == ["MERGE"], commits
-    comparison = compare(spark, path, spec, after.expected, after.seen)
+    comparison = compare(path, spec, after.expected, after.seen)
     record("killed_before_delta_commit", comparison, faults=kills.signals["files"])
     assert comparison.clean, comparison
 
@@ -558,18 +558,18 @@ def test_a_run_killed_after_its_commit_before_dagster_recorded_it_reruns_without
 ):
     spec, _, after = crash_hours
     killed = _killed(kills, "commit")
-    spark, path = spark_resource.session, str(killed.table)
+    path = str(killed.table)
     committed = _actions(killed.table, killed.prior + 1)
     assert _operation(committed) == "MERGE" and _data_changing(committed)
     # The next version holds the whole hour already.
-    assert compare(spark, path, spec, after.expected, after.seen).clean
+    assert compare(path, spec, after.expected, after.seen).clean
 
     _rerun_in_dagster(killed, spec, broker, spark_resource)
     commits = _commits_after(killed, killed.prior + 1)
     # The rerun finds every change applied: it records its slice and changes no data.
     assert not [c for c in commits if _data_changing(c)], commits
     assert "SET TBLPROPERTIES" in [_operation(c) for c in commits], commits
-    comparison = compare(spark, path, spec, after.expected, after.seen)
+    comparison = compare(path, spec, after.expected, after.seen)
     record("killed_after_commit_before_dagster", comparison, faults=kills.signals["commit"])
     assert comparison.clean, comparison
 
@@ -663,9 +663,7 @@ def test_a_broker_restarted_mid_read_fails_the_run_cleanly_or_not_at_all(
     # Whichever way the run went, running the hour again gives the reference.
     kafka = KafkaResource(bootstrap_servers=bootstrap)
     run_hour(checks=MIRROR_CHECKS, spark=spark, kafka=kafka, lake=lake, spec=spec, hour_key=KEY)
-    comparison = compare(
-        spark, lake.table_path(spec.name), spec, reference.expected, reference.seen
-    )
+    comparison = compare(lake.table_path(spec.name), spec, reference.expected, reference.seen)
     record("broker_restarted_mid_read", comparison, faults=1)
     assert comparison.clean, comparison
     _delete_topic(bootstrap, spec.topic)

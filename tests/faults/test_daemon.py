@@ -345,9 +345,7 @@ def _poll(condition, *, what: str, service: Service, deadline: float):
 def _reference_comparison(d: Deployment, name: str, spark):
     spec = d.specs[name]
     reference = table.reference(d.broker, spec)
-    return compare(
-        spark, d.lake.table_path(spec.name), spec, reference.expected, reference.seen_keys
-    )
+    return compare(d.lake.table_path(spec.name), spec, reference.expected, reference.seen_keys)
 
 
 # --- 18: a run killed while it holds the pool -----------------------------------------------

@@ -65,19 +65,19 @@ def test_a_run_dead_between_the_mirror_and_the_history_is_completed_by_its_rerun
         with pytest.raises(RuntimeError, match="died here"):
             run(1)
     ref = table.reference(broker, spec, upto_hour=1)
-    assert compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys).clean
-    assert table.history_differences(spark, history, spec, hour0) == []  # hour 1 not in it
+    assert compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys).clean
+    assert table.history_differences(history, spec, hour0) == []  # hour 1 not in it
 
     rerun = run(1)
     assert rerun.counts.applied == 0 and rerun.merge_version is None  # the mirror had it all
     # Key 1's and key 2's versions from hour 0 end at hour 1's: rewritten.
     assert rerun.history.outcome.opened == 4 and rerun.history.outcome.rewritten == 2
     assert _checks(rerun, spec) == {"accounting": True, "history": True}
-    assert table.history_differences(spark, history, spec, records) == []
+    assert table.history_differences(history, spec, records) == []
 
     again = run(1)  # once more: both logs hold the slice, a replay: nothing new, nothing doubled
     assert again.history.outcome.replayed and again.history.outcome.opened == 0
-    assert table.history_differences(spark, history, spec, records) == []
+    assert table.history_differences(history, spec, records) == []
 
 
 def test_a_run_dead_between_the_changes_and_the_fold_is_completed_by_its_rerun(
@@ -114,7 +114,7 @@ def test_a_run_dead_between_the_changes_and_the_fold_is_completed_by_its_rerun(
     rerun = run(1)
     assert _checks(rerun, spec) == {"accounting": True, "history": True}
     assert rerun.history.outcome.opened == 0  # the changes' table had them
-    assert table.history_differences(spark, history, spec, records, folded=True) == []
+    assert table.history_differences(history, spec, records, folded=True) == []
     versions = spark.read.format("delta").load(history).where("id = 1").count()
     assert versions == 2  # 1010 (its balance from 1030) and 1050
 
@@ -156,7 +156,7 @@ def test_toasted_values_fill_from_the_version_before_in_any_order(
     # Hour 1 carried key 1's value: key 7's three versions, then key 9's two, took it.
     assert filled == {2: 0, 1: 5, 0: 0}
     if tracked:  # the fold took the moved keys' filled changes: a version per name
-        assert table.history_differences(spark, history, spec, records, folded=True) == []
+        assert table.history_differences(history, spec, records, folded=True) == []
         rows = spark.read.format("delta").load(history).orderBy("_cdc_sequence").collect()
         assert [(r["id"], r["name"], r["_cdc_unknown__name"]) for r in rows] == [
             (1, "first", False),
@@ -167,7 +167,7 @@ def test_toasted_values_fill_from_the_version_before_in_any_order(
             (9, "second", False),
         ]
         history = lake.table_path(f"{spec.name}__history_changes")
-    assert table.history_differences(spark, history, spec, records) == []
+    assert table.history_differences(history, spec, records) == []
     rows = spark.read.format("delta").load(history).orderBy("_cdc_sequence").collect()
     assert [(r["id"], r["name"], r["_cdc_unknown__name"]) for r in rows] == [
         (1, "first", False),

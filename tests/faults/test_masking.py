@@ -227,7 +227,7 @@ def test_sensitive_columns_are_masked_and_never_leak(
         for k, row in reference.items()
     }
     assert len(expected) == 24 - 4
-    comparison = compare(spark, path, stored, expected, {(n,) for n in range(24)})
+    comparison = compare(path, stored, expected, {(n,) for n in range(24)})
 
     # Everywhere a value could leak: logs, the run's event log (materialization and check
     # metadata included), the run's config and job snapshot, the Delta commits' userMetadata

@@ -47,7 +47,7 @@ def scenario(broker, kafka, spark, create_topic, lake):
 
         def check(on: LakeResource = lake, upto_hour: int | None = None):
             ref = table.reference(broker, spec, upto_hour=upto_hour)
-            return compare(spark, on.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+            return compare(on.table_path(spec.name), spec, ref.expected, ref.seen_keys)
 
         return spec, run, check
 

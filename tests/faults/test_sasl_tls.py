@@ -307,7 +307,7 @@ def test_pipeline_reads_over_sasl_scram_tls_and_the_password_leaks_nowhere(
     assert len(records) == len(changes)
     expected = replay(spec, [(p, o, v) for p, o, v, _ in records])
     seen = {(row_id,) for row_id, _, _ in changes}
-    comparison = compare(spark, path, spec, expected, seen)
+    comparison = compare(path, spec, expected, seen)
 
     # The pipeline's read as run_hour builds it, planned (not run) for all its plans' text.
     resolved = secure_broker.resource(password)

@@ -97,7 +97,7 @@ def test_the_lake_disk_full_during_a_merge(broker, kafka, spark, create_topic, s
     rerun = run(1)
     assert rerun.merge_version is not None and rerun.counts.applied > 0
     ref = table.reference(broker, spec)
-    comparison = compare(spark, str(table_dir), spec, ref.expected, ref.seen_keys)
+    comparison = compare(str(table_dir), spec, ref.expected, ref.seen_keys)
     record("lake_disk_full_during_merge", comparison, faults=1)
     assert comparison.clean, comparison.details
 
@@ -171,6 +171,6 @@ def test_s3_answering_503_slowdown(broker, kafka, spark, create_topic, s3):
         rerun = run(2)
         assert rerun.merge_version is not None and rerun.counts.applied > 0
         ref = table.reference(broker, spec)
-        comparison = compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+        comparison = compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
     record("s3_503_slowdown", comparison, faults=transient + lasting)
     assert comparison.clean, comparison.details

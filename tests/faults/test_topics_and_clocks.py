@@ -80,7 +80,7 @@ def test_partitions_added_between_two_hours_are_read_from_their_first_offset(
     assert first.slice.size + second.slice.size == len(read_topic(broker, spec.topic)) - 3
 
     ref = table.reference(broker, spec)
-    comparison = compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+    comparison = compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
     record("partitions_added_between_hours", comparison, faults=2)
     assert comparison.clean, comparison.details
 
@@ -142,6 +142,6 @@ def test_a_producer_clock_ahead_of_the_broker_then_set_back(
     assert results[2].counts.consumed == 5 + 11
 
     ref = table.reference(broker, spec)
-    comparison = compare(spark, lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
+    comparison = compare(lake.table_path(spec.name), spec, ref.expected, ref.seen_keys)
     record("producer_clock_ahead_then_back", comparison, faults=2)
     assert comparison.clean, comparison.details

@@ -79,7 +79,7 @@ def _metadata(result, asset: str) -> dict[str, dict]:
 
 
 def _state(spark, lake, specs) -> dict[str, dict]:
-    return {s.name: mirror_rows(spark, lake.table_path(s.name), s) for s in specs}
+    return {s.name: mirror_rows(lake.table_path(s.name), s) for s in specs}
 
 
 def expected_facts(state: dict[str, dict]) -> dict[int, dict]:
