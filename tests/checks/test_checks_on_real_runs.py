@@ -359,7 +359,7 @@ def test_a_failed_blocking_check_stops_downstream_in_a_real_run(
         until = _ms(HOUR + timedelta(hours=2))
         records = [(p, o, v) for p, o, v, ts in read_topic(broker, topic) if ts < until]
         path, expected = lake.table_path(spec.name), replay(spec, records)
-        comparison = compare(spark_resource.session, path, spec, expected, {(1,), (2,)})
+        comparison = compare(path, spec, expected, {(1,), (2,)})
         record("blocking_check_holds_downstream", comparison, faults=1)
         assert comparison.clean, comparison.details
 
