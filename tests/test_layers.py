@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Bottom to top; a package may import its own layer's packages only if it is itself.
 LAYERS: list[set[str]] = [
-    {"devtools", "resources"},
-    {"cdc_assets"},
+    {"resources"},
+    {"cdc_assets", "devtools"},  # devtools' Spark Connect server runs resources.spark's session
     {"checks", "demo"},
     {"sensors", "shop_analytics"},
     {"code_location", "emr"},  # the two code locations: in process, and through EMR Pipes
