@@ -1,0 +1,133 @@
+"""What a run that is a thin client of a warm Spark Connect server costs, and what becomes of the
+MERGE of a run killed mid-way (issue 49's design question), on a server of
+devtools/spark_connect.py started here (`--port`, 15012) and stopped at the end.
+
+- `thin`: processes that each connect, MERGE 200 rows from a local frame into one Delta table
+  and exit, as a run worker would; each prints its session, create (the first) and MERGE
+  seconds (pyspark's import not included).
+- `killed`: a client starts a MERGE of 3M rows and is SIGKILLed 4 s in; the table's commits are
+  counted for 40 s. Then the same with a session id of its own, which a second client (the
+  rerun) attaches to and interrupts (`interruptAll`) right after the kill.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.connect_runs --thin 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from devtools import spark_connect
+
+MERGE = (
+    "MERGE INTO delta.`{path}` AS t USING changes AS s ON t.id = s.id "
+    "WHEN MATCHED AND s.seq > t.seq THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *"
+)
+
+
+def _thin(remote: str, path: str, seq: int) -> None:
+    """One run: connect, MERGE 200 rows at sequence `seq` (the first creates the table), exit."""
+    from pyspark.sql import SparkSession
+
+    started = time.monotonic()
+    spark = SparkSession.builder.remote(remote).create()
+    connected = created = time.monotonic()
+    if seq == 1:  # the pipeline creates a mirror when its log shows none
+        columns = "id BIGINT, name STRING, seq BIGINT"
+        spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta").collect()
+        created = time.monotonic()
+    rows = [(i, f"name{i}-{seq}", seq) for i in range(200)]
+    changes = spark.createDataFrame(rows, "id bigint, name string, seq bigint")
+    changes.createOrReplaceTempView("changes")
+    spark.sql(MERGE.format(path=path)).collect()
+    merged = time.monotonic()
+    spark.stop()
+    print(
+        f"session {connected - started:.2f} s, create {created - connected:.2f} s, "
+        f"MERGE {merged - created:.2f} s, in all {merged - started:.2f} s"
+    )
+
+
+def _long(remote: str, path: str) -> None:
+    """A run whose MERGE takes long: 3M rows."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(remote).create()
+    rows = spark.range(3_000_000).selectExpr("id", "concat('x', id) AS name", "1000 AS seq")
+    rows.createOrReplaceTempView("changes")
+    print("merging", flush=True)
+    spark.sql(MERGE.format(path=path)).collect()
+
+
+def _interrupt(remote: str) -> None:
+    from pyspark.sql import SparkSession
+
+    started = time.monotonic()
+    spark = SparkSession.builder.remote(remote).create()
+    stopped = spark.interruptAll()
+    print(
+        f"the rerun interrupted {len(stopped)} operation(s) in {time.monotonic() - started:.2f} s"
+    )
+
+
+def _commits(path: str) -> int:
+    return len(list((Path(path) / "_delta_log").glob("*.json")))
+
+
+def _child(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.connect_runs", "--child", *args])
+
+
+def _killed(remote: str, path: str, *, interrupt: bool) -> None:
+    before = _commits(path)
+    child = _child("long", remote, path)
+    time.sleep(4)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    if interrupt:
+        _child("interrupt", remote).wait()
+    time.sleep(40)
+    after = _commits(path)
+    how = "then its session interrupted by a rerun" if interrupt else "nothing else"
+    print(f"killed 4 s into its MERGE, {how}: {after - before} commit(s) in the next 40 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.connect_runs", description=__doc__)
+    parser.add_argument("--thin", type=int, default=5, help="thin-client runs (5)")
+    parser.add_argument("--port", type=int, default=15012, help="the server's, while it runs")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        {"thin": lambda r, p, s: _thin(r, p, int(s)), "long": _long, "interrupt": _interrupt}[kind](
+            *rest
+        )
+        return 0
+    with tempfile.TemporaryDirectory() as folder:
+        config = spark_connect.ConnectConfig(port=args.port, data_dir=Path(folder) / "server")
+        started = time.monotonic()
+        spark_connect.start(config)
+        print(f"server ready in {time.monotonic() - started:.1f} s at {config.remote}")
+        try:
+            path = f"{folder}/table"
+            for seq in range(1, args.thin + 1):
+                print(f"thin run {seq}: ", end="", flush=True)
+                if _child("thin", config.remote, path, str(seq)).wait():
+                    return 1
+            _killed(config.remote, path, interrupt=False)
+            session = f"{config.remote}/;session_id={uuid.uuid4()}"
+            _killed(session, path, interrupt=True)
+        finally:
+            spark_connect.stop(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
