@@ -7,7 +7,8 @@ devtools/spark_connect.py started here (`--port`, 15012) and stopped at the end.
   seconds (pyspark's import not included).
 - `killed`: a client starts a MERGE of 3M rows and is SIGKILLed 4 s in; the table's commits are
   counted for 40 s. Then the same with a session id of its own, which a second client (the
-  rerun) attaches to and interrupts (`interruptAll`) right after the kill.
+  rerun) attaches to right after the kill: it interrupts the session's operations
+  (`interruptAll`) and waits until the server reports none of them running (GetStatus).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.connect_runs --thin 5
 """
@@ -66,13 +67,31 @@ def _long(remote: str, path: str) -> None:
 
 
 def _interrupt(remote: str) -> None:
+    """The rerun: interrupt every operation of the session, then wait until none is running or
+    terminating (GetStatus: pyspark 4.2's client has it, not yet public)."""
     from pyspark.sql import SparkSession
+    from pyspark.sql.connect.proto import base_pb2
 
+    states = base_pb2.GetStatusResponse.OperationStatus.OperationState
     started = time.monotonic()
     spark = SparkSession.builder.remote(remote).create()
     stopped = spark.interruptAll()
+    interrupted = time.monotonic()
+    while True:
+        statuses = spark.client._get_operation_statuses().operation_statuses  # noqa: SLF001
+        live = [
+            s
+            for s in statuses
+            if s.state in (states.OPERATION_STATE_RUNNING, states.OPERATION_STATE_TERMINATING)
+        ]
+        if not live:
+            break
+        time.sleep(0.1)
+    ended = time.monotonic()
     print(
-        f"the rerun interrupted {len(stopped)} operation(s) in {time.monotonic() - started:.2f} s"
+        f"the rerun interrupted {len(stopped)} operation(s) in {interrupted - started:.2f} s; "
+        f"none running {ended - interrupted:.2f} s later: "
+        + ", ".join(sorted(states.Name(s.state) for s in statuses))
     )
 
 
