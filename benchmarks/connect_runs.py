@@ -5,8 +5,8 @@ devtools/spark_connect.py started here (`--port`, 15012) and stopped at the end.
 - `thin`: processes that each connect, MERGE 200 rows from a local frame into one Delta table
   and exit, as a run worker would; each prints its session, create (the first) and MERGE
   seconds (pyspark's import not included).
-- `killed`: a client starts a MERGE of 3M rows and is SIGKILLed 4 s in; the table's commits are
-  counted for 40 s. Then the same with a session id of its own, which a second client (the
+- `killed`: a client starts a MERGE of 3M rows, each newer than the table's (left alone, it
+  commits), and is SIGKILLed 4 s after sending it; the table's commits are counted for 40 s. Then the same with a session id of its own, which a second client (the
   rerun) attaches to right after the kill: it interrupts the session's operations
   (`interruptAll`) and waits until the server reports none of them running (GetStatus).
 
@@ -55,12 +55,12 @@ def _thin(remote: str, path: str, seq: int) -> None:
     )
 
 
-def _long(remote: str, path: str) -> None:
-    """A run whose MERGE takes long: 3M rows."""
+def _long(remote: str, path: str, seq: str) -> None:
+    """A run whose MERGE takes long: 3M rows at sequence `seq`, each newer than the table's."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.builder.remote(remote).create()
-    rows = spark.range(3_000_000).selectExpr("id", "concat('x', id) AS name", "1000 AS seq")
+    rows = spark.range(3_000_000).selectExpr("id", "concat('x', id) AS name", f"{int(seq)} AS seq")
     rows.createOrReplaceTempView("changes")
     print("merging", flush=True)
     spark.sql(MERGE.format(path=path)).collect()
@@ -99,13 +99,19 @@ def _commits(path: str) -> int:
     return len(list((Path(path) / "_delta_log").glob("*.json")))
 
 
-def _child(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "benchmarks.connect_runs", "--child", *args])
+def _child(*args: str, **options) -> subprocess.Popen:
+    command = [sys.executable, "-m", "benchmarks.connect_runs", "--child", *args]
+    return subprocess.Popen(command, **options)
 
 
-def _killed(remote: str, path: str, *, interrupt: bool) -> None:
+def _killed(remote: str, path: str, seq: int, *, interrupt: bool) -> None:
+    """A long MERGE at `seq` (newer than every row: left alone, it commits), its client killed
+    4 s after it sent the MERGE."""
     before = _commits(path)
-    child = _child("long", remote, path)
+    child = _child("long", remote, path, str(seq), stdout=subprocess.PIPE, text=True)
+    while child.stdout.readline().strip() != "merging":
+        if child.poll() is not None:
+            sys.exit("the long run ended before its MERGE")
     time.sleep(4)
     child.send_signal(signal.SIGKILL)
     child.wait()
@@ -140,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"thin run {seq}: ", end="", flush=True)
                 if _child("thin", config.remote, path, str(seq)).wait():
                     return 1
-            _killed(config.remote, path, interrupt=False)
+            _killed(config.remote, path, 1000, interrupt=False)
             session = f"{config.remote}/;session_id={uuid.uuid4()}"
-            _killed(session, path, interrupt=True)
+            _killed(session, path, 2000, interrupt=True)
         finally:
             spark_connect.stop(config)
     return 0

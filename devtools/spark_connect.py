@@ -42,6 +42,13 @@ DEFAULT_PORT = 15002
 PORT_ENV = "CDC_SPARK_CONNECT_PORT"
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+# What makes pyspark a Connect client, left out of the server's environment.
+_CLIENT_MODE = (
+    "SPARK_REMOTE",
+    "SPARK_CONNECT_MODE_ENABLED",
+    "SPARK_LOCAL_REMOTE",
+    "SPARK_API_MODE",
+)
 
 
 class SparkConnectError(RuntimeError):
@@ -56,13 +63,11 @@ class ConnectConfig:
         port: The gRPC port; clients use ``sc://127.0.0.1:<port>``.
         data_dir: Holds the pid file, the server's log and Spark's scratch space.
         driver_memory: The server's heap: every run's queries share it.
-        extra_conf: Spark settings on top of the embedded session's.
     """
 
     port: int = DEFAULT_PORT
     data_dir: Path = REPO_ROOT / ".local" / "spark-connect"
     driver_memory: str = "2g"
-    extra_conf: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
@@ -83,19 +88,21 @@ class ConnectConfig:
 
 def server_conf(config: ConnectConfig) -> dict[str, str]:
     """The server's Spark settings: the embedded session's (`SparkResource`), on a local master,
-    with the gRPC endpoint on loopback."""
+    with the gRPC endpoint on loopback. They hold no secret (they are the server's command
+    line). No class-data archive: the archive is made for the embedded session's class path,
+    which the server's (its own conf dir on it) is not, and the server starts once."""
     from resources.spark import SparkResource  # the session's settings are the resource's
 
-    conf = SparkResource(app_name="cdc-spark-connect", driver_memory=config.driver_memory)
-    settings = {
-        **conf.spark_config(),
+    resource = SparkResource(
+        app_name="cdc-spark-connect", driver_memory=config.driver_memory, jvm_archive_dir=None
+    )
+    return {
+        **resource.spark_config(),
         "spark.master": "local[*]",
         "spark.connect.grpc.binding.address": HOST,
         "spark.connect.grpc.binding.port": str(config.port),
         "spark.local.dir": str(config.data_dir / "local"),
     }
-    settings.update(dict(config.extra_conf))
-    return settings
 
 
 def start(config: ConnectConfig, timeout_s: float = 120) -> str:
@@ -105,8 +112,9 @@ def start(config: ConnectConfig, timeout_s: float = 120) -> str:
         The address clients connect to, ``sc://127.0.0.1:<port>``.
 
     Raises:
-        SparkConnectError: The port is taken, Java or the project's jars are missing, or the
-            server died or did not serve in time (the message quotes its log).
+        SparkConnectError: The port is taken, Java is missing, or the server died or did not
+            serve in time (the message quotes its log).
+        SparkJarsMissingError: The project's jars were never resolved (scripts/install.sh).
     """
     server = _server(config)
 
@@ -146,8 +154,15 @@ def _command(config: ConnectConfig) -> list[str]:
 
 
 def _env(config: ConnectConfig) -> dict[str, str]:
+    # Not the caller's own settings (a test's S3 keys, the Kafka password) nor a Connect
+    # client's mode: the server runs a local driver.
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("CDC_") and name not in _CLIENT_MODE
+    }
     env = {
-        **os.environ,
+        **inherited,
         "SPARK_HOME": str(SPARK_HOME),
         # An empty conf dir: no spark-env.sh or spark-defaults.conf from anywhere else.
         "SPARK_CONF_DIR": str(config.data_dir / "conf"),
@@ -158,7 +173,6 @@ def _env(config: ConnectConfig) -> dict[str, str]:
             p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
         ),
     }
-    env.pop("SPARK_REMOTE", None)  # the server itself runs a local driver
     return env
 
 
@@ -169,16 +183,20 @@ def _server(config: ConnectConfig) -> LocalServer:
         data_dir=config.data_dir,
         pid_file=config.pid_file,
         log_file=config.log_file,
-        identifies=lambda args: (
-            SERVER_CLASS in args
-            and f"spark.connect.grpc.binding.port={config.port}" in " ".join(args)
-        ),
+        identifies=lambda args: SERVER_CLASS in args and _binds(args, config.port),
         probe=lambda _timeout_s: _accepts(config),
         awaits=f"accept connections on {config.remote}",
         poll_s=0.5,
         whole_group=True,
         error=SparkConnectError,
     )
+
+
+def _binds(args: list[str], port: int) -> bool:
+    """Whether a command line sets the server's port to `port` (spark-submit's `--conf=k=v`, or
+    `--conf k=v` as its launcher passes it on to the JVM)."""
+    setting = f"spark.connect.grpc.binding.port={port}"
+    return setting in args or f"--conf={setting}" in args
 
 
 def _accepts(config: ConnectConfig) -> None:

@@ -147,6 +147,8 @@ def delta_rows(path: str, *, where: str | None = None, version: int | None = Non
     `where`, read by deltalake's query engine (which applies deletion vectors)."""
     location = path.replace("s3a://", "s3://", 1)
     options = dict(S3_OPTIONS) if location.startswith("s3://") else None
+    if options == {}:
+        raise ValueError(f"{path}: the oracles read S3 through the `s3` fixture, not started")
     if options is None and "://" in location and not location.startswith("file://"):
         raise ValueError(f"the oracles read local or S3 tables, not {path}")
     table = DeltaTable(location, version=version, storage_options=options)

@@ -1,20 +1,29 @@
 """The Spark Connect server of devtools/spark_connect.py, started for real: it serves the
 project's session (Delta's catalog and SQL, UTC), a thin client's Delta SQL MERGE of a local
 frame lands in the table (read back with deltalake, not through the server), its Python workers
-import the project's package, and start, status and stop behave as the other local servers'."""
+import this checkout's modules, another process finds it by its pid file and command line, and
+start, status and stop behave as the other local servers'.
+
+The client runs in a process of its own (tests/devtools/connect_client.py), as a run would: a
+Connect session turns its whole process into a Connect client, which this one must not become.
+"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pyspark.sql import SparkSession
 
 from devtools import spark_connect
 from tests.support import delta_rows, free_ports
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -30,47 +39,40 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[spark_connect.C
         spark_connect.stop(config)
 
 
+def _cli(server: spark_connect.ConnectConfig, command: str) -> subprocess.CompletedProcess:
+    """`python -m devtools.spark_connect COMMAND` for `server`, from another process."""
+    return subprocess.run(
+        [sys.executable, "-m", "devtools.spark_connect", command, "--port", str(server.port),
+         "--data-dir", str(server.data_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
 def test_a_thin_client_merges_into_delta_on_the_server(server, tmp_path: Path):
-    # A second start finds the server running and returns its address.
+    # Another process finds the server running, by its pid file and command line.
+    status = _cli(server, "status")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["running"] is True
+    # A second start finds it running and returns its address.
     assert spark_connect.start(server) == server.remote
-    assert spark_connect.status(server)["running"] is True
-    spark = SparkSession.builder.remote(server.remote).create()
-    try:
-        assert spark.conf.get("spark.sql.session.timeZone") == "UTC"
-        assert spark.conf.get("spark.sql.catalog.spark_catalog").endswith("DeltaCatalog")
-        path = str(tmp_path / "accounts")
-        spark.sql(
-            f"CREATE TABLE delta.`{path}` (id BIGINT, name STRING, seq BIGINT) USING delta"
-        ).collect()
-        schema = "id bigint, name string, seq bigint"
-        first = spark.createDataFrame([(1, "a", 1), (2, "b", 1)], schema)
-        first.write.format("delta").mode("append").save(path)
-        changes = spark.createDataFrame([(1, "a2", 2), (2, "stale", 0), (3, "c", 1)], schema)
-        changes.createOrReplaceTempView("changes")
-        spark.sql(
-            f"MERGE INTO delta.`{path}` AS t USING changes AS s ON t.id = s.id "
-            "WHEN MATCHED AND s.seq > t.seq THEN UPDATE SET * "
-            "WHEN NOT MATCHED THEN INSERT *"
-        ).collect()
-        rows = sorted((r["id"], r["name"], r["seq"]) for r in delta_rows(path).to_pylist())
-        assert rows == [(1, "a2", 2), (2, "b", 1), (3, "c", 1)]
 
-        # The server's Python workers import this checkout's package.
-        def tagged(batches):
-            import pyarrow as pa
-
-            from cdc_assets.columns import DELETED
-
-            for batch in batches:
-                yield batch.append_column(DELETED, pa.array([DELETED] * batch.num_rows))
-
-        found = spark.range(2).mapInArrow(tagged, "id long, _cdc_deleted string").collect()
-        assert {r["_cdc_deleted"] for r in found} == {"_cdc_deleted"}
-    finally:
-        spark.stop()
+    path = str(tmp_path / "accounts")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.devtools.connect_client", server.remote, path],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["time_zone"] == "UTC"
+    assert found["catalog"].endswith("DeltaCatalog")
+    assert found["worker_modules"] == ["devtools.processes"]
+    rows = sorted((r["id"], r["name"], r["seq"]) for r in delta_rows(path).to_pylist())
+    assert rows == [(1, "a2", 2), (2, "b", 1), (3, "c", 1)]  # the stale change not applied
 
 
 def test_stop_ends_the_server(server):
     assert spark_connect.stop(server) is True
     assert spark_connect.status(server)["running"] is False
     assert spark_connect.stop(server) is False  # nothing left to stop
+    status = _cli(server, "status")
+    assert status.returncode == 3 and json.loads(status.stdout)["running"] is False

@@ -100,7 +100,7 @@ def compare(
     mirror is read with deltalake (`tests.support.delta_rows`).
     """
     stored = delta_rows(path).to_pylist()
-    actual = rows_by_key([row for row in stored if not row[DELETED]], spec)
+    actual = rows_by_key([row for row in stored if row[DELETED] is False], spec)  # as SQL's NOT
     per_key = Counter(tuple(row[k] for k in spec.primary_key) for row in stored)
     extra = sum(count - 1 for count in per_key.values())
     deleted = seen_keys - set(expected)

@@ -342,7 +342,7 @@ def _poll(condition, *, what: str, service: Service, deadline: float):
     pytest.fail(f"timed out waiting for {what}; daemon log {service.log}")
 
 
-def _reference_comparison(d: Deployment, name: str, spark):
+def _reference_comparison(d: Deployment, name: str):
     spec = d.specs[name]
     reference = table.reference(d.broker, spec)
     return compare(d.lake.table_path(spec.name), spec, reference.expected, reference.seen_keys)
@@ -438,7 +438,7 @@ def test_a_run_killed_holding_the_pool_frees_it_and_the_next_run_goes(deployment
     info = d.instance.event_log_storage.get_concurrency_info(MIRRORS_POOL)
     assert (info.slot_count, info.active_slot_count, info.pending_step_count) == (1, 0, 0), info
 
-    comparison = _reference_comparison(d, "b", spark)
+    comparison = _reference_comparison(d, "b")
     record("run_killed_holding_pool_slot", comparison, faults=1)
     assert comparison.clean, comparison
 
@@ -511,6 +511,6 @@ def test_the_daemon_killed_mid_tick_skips_no_hour_and_runs_none_twice(deployment
     cursor = _stored_cursor(d).tables[d.specs["a"].name]
     assert _covers(cursor, closed), cursor
 
-    comparison = _reference_comparison(d, "a", spark)
+    comparison = _reference_comparison(d, "a")
     record("daemon_killed_mid_tick", comparison, faults=1)
     assert comparison.clean, comparison

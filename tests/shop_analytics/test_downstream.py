@@ -78,7 +78,7 @@ def _metadata(result, asset: str) -> dict[str, dict]:
     return out
 
 
-def _state(spark, lake, specs) -> dict[str, dict]:
+def _state(lake, specs) -> dict[str, dict]:
     return {s.name: mirror_rows(lake.table_path(s.name), s) for s in specs}
 
 
@@ -244,7 +244,7 @@ def test_facts_follow_the_mirrors_and_wait_for_blocking_checks(
         assert all(c.passed for c in materialize(mirrors, hour0).get_asset_check_evaluations())
         assert tick() == {"order_facts": {hour0}, "daily_sales": set()}
         meta = _metadata(materialize([order_facts], hour0), "order_facts")[hour0]
-        state = _state(spark, lake, specs)
+        state = _state(lake, specs)
         assert actual_facts(spark, facts_path) == expected_facts(state)
         # The facts read exactly the mirror commits of hour 0, whose keys are the rows it wrote,
         # and recomputed the orders those rows touch, from the mirrors' current versions.
@@ -287,7 +287,7 @@ def test_facts_follow_the_mirrors_and_wait_for_blocking_checks(
         assert len(orders_commits) == 2
         assert meta["facts_deleted"] > 0  # an order with a fact row was deleted, and its row
         truth = expected_facts({s.name: source.state(s.name) for s in specs})
-        assert actual_facts(spark, facts_path) == expected_facts(_state(spark, lake, specs))
+        assert actual_facts(spark, facts_path) == expected_facts(_state(lake, specs))
         assert actual_facts(spark, facts_path) == truth
         assert all(f["total"] == f["items_amount"] for f in truth.values())
 
