@@ -4,11 +4,13 @@ devtools/spark_connect.py started here (`--port`, 15012) and stopped at the end.
 
 - `thin`: processes that each connect, MERGE 200 rows from a local frame into one Delta table
   and exit, as a run worker would; each prints its session, create (the first) and MERGE
-  seconds (pyspark's import not included).
+  seconds (pyspark's import not included). Then the same MERGEs in one process's embedded
+  session (`SparkResource`), for comparison.
 - `killed`: a client starts a MERGE of 3M rows, each newer than the table's (left alone, it
-  commits), and is SIGKILLed 4 s after sending it; the table's commits are counted for 40 s. Then the same with a session id of its own, which a second client (the
-  rerun) attaches to right after the kill: it interrupts the session's operations
-  (`interruptAll`) and waits until the server reports none of them running (GetStatus).
+  commits), and is SIGKILLed 4 s after sending it; the table's commits are counted for 40 s.
+  Then the same with a session id of its own, which a second client (the rerun) attaches to
+  right after the kill: it interrupts the session's operations (`interruptAll`) and waits until
+  the server reports none of them running (GetStatus).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.connect_runs --thin 5
 """
@@ -26,32 +28,56 @@ from pathlib import Path
 
 from devtools import spark_connect
 
+COLUMNS = "id bigint, name string, seq bigint"
 MERGE = (
     "MERGE INTO delta.`{path}` AS t USING changes AS s ON t.id = s.id "
     "WHEN MATCHED AND s.seq > t.seq THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *"
 )
 
 
-def _thin(remote: str, path: str, seq: int) -> None:
+def _create(spark, path: str) -> None:
+    """The table, as the pipeline creates a mirror when its log shows none."""
+    spark.sql(f"CREATE TABLE delta.`{path}` ({COLUMNS}) USING delta").collect()
+
+
+def _merge(spark, path: str, seq: int) -> float:
+    """MERGEs 200 rows at sequence `seq` from a local frame; returns its seconds."""
+    started = time.monotonic()
+    rows = [(i, f"name{i}-{seq}", seq) for i in range(200)]
+    spark.createDataFrame(rows, COLUMNS).createOrReplaceTempView("changes")
+    spark.sql(MERGE.format(path=path)).collect()
+    return time.monotonic() - started
+
+
+def _thin(remote: str, path: str, seq: str) -> None:
     """One run: connect, MERGE 200 rows at sequence `seq` (the first creates the table), exit."""
     from pyspark.sql import SparkSession
 
     started = time.monotonic()
     spark = SparkSession.builder.remote(remote).create()
     connected = created = time.monotonic()
-    if seq == 1:  # the pipeline creates a mirror when its log shows none
-        columns = "id BIGINT, name STRING, seq BIGINT"
-        spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta").collect()
+    if int(seq) == 1:
+        _create(spark, path)
         created = time.monotonic()
-    rows = [(i, f"name{i}-{seq}", seq) for i in range(200)]
-    changes = spark.createDataFrame(rows, "id bigint, name string, seq bigint")
-    changes.createOrReplaceTempView("changes")
-    spark.sql(MERGE.format(path=path)).collect()
-    merged = time.monotonic()
+    merged = _merge(spark, path, int(seq))
     spark.stop()
     print(
         f"session {connected - started:.2f} s, create {created - connected:.2f} s, "
-        f"MERGE {merged - created:.2f} s, in all {merged - started:.2f} s"
+        f"MERGE {merged:.2f} s, in all {time.monotonic() - started:.2f} s"
+    )
+
+
+def _embedded(path: str, runs: str) -> None:
+    """The same MERGEs, `runs` of them, in one process's embedded session (`SparkResource`)."""
+    from resources.spark import SparkResource
+
+    started = time.monotonic()
+    spark = SparkResource().session
+    session = time.monotonic() - started
+    _create(spark, path)
+    merges = [_merge(spark, path, seq) for seq in range(1, int(runs) + 1)]
+    print(
+        f"embedded: session {session:.2f} s, MERGEs " + ", ".join(f"{m:.2f}" for m in merges) + " s"
     )
 
 
@@ -131,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        {"thin": lambda r, p, s: _thin(r, p, int(s)), "long": _long, "interrupt": _interrupt}[kind](
-            *rest
-        )
+        children = {"thin": _thin, "embedded": _embedded, "long": _long, "interrupt": _interrupt}
+        children[kind](*rest)
         return 0
     with tempfile.TemporaryDirectory() as folder:
         config = spark_connect.ConnectConfig(port=args.port, data_dir=Path(folder) / "server")
@@ -146,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"thin run {seq}: ", end="", flush=True)
                 if _child("thin", config.remote, path, str(seq)).wait():
                     return 1
+            if _child("embedded", f"{folder}/embedded", str(args.thin)).wait():
+                return 1
             _killed(config.remote, path, 1000, interrupt=False)
             session = f"{config.remote}/;session_id={uuid.uuid4()}"
             _killed(session, path, 2000, interrupt=True)
